@@ -1,0 +1,61 @@
+"""Engine configuration: one typed dataclass shared by the Python API and the CLI."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PADDING_MODES = ("sum_len", "max_len")
+
+
+@dataclass
+class EngineConfig:
+    """Everything an engine instance needs; validated on construction."""
+
+    model_path: str
+    tp_size: int = 1
+    dp_size: int = 1
+    enable_dp_attention: bool = False
+    device: str = "auto"  # auto: cuda when available, else cpu
+    dtype: str = "auto"  # auto: float32 on cpu, bfloat16 on cuda
+    max_total_tokens: int | None = None  # KV pool size per DP rank; overrides the memory budget
+    kv_cache_memory_gb: float | None = None  # KV budget per rank (GiB); default depends on device
+    max_running_requests: int = 256  # per DP rank
+    chunked_prefill_size: int = 2048  # prefill tokens per step, per DP rank
+    dp_padding_mode: str = "sum_len"
+    random_seed: int = 0
+    dist_init_addr: str | None = None  # host:port of rank 0; a free local port by default
+    log_level: str = "warning"
+
+    def __post_init__(self) -> None:
+        tp, dp = self.tp_size, self.dp_size
+        if tp < 1 or dp < 1:
+            raise ValueError(f"tp_size and dp_size must be >= 1, got tp_size={tp}, dp_size={dp}")
+        if dp > 1 and not self.enable_dp_attention:
+            raise ValueError(
+                f"dp_size={dp} without enable_dp_attention means independent replicas, which "
+                "this engine does not run yet; pass enable_dp_attention=True"
+            )
+        if dp > tp:
+            raise ValueError(f"dp_size={dp} must not exceed tp_size={tp} with DP attention")
+        if tp % dp != 0:
+            raise ValueError(f"tp_size={tp} must be divisible by dp_size={dp} (attention TP = tp / dp)")
+        if self.dp_padding_mode not in PADDING_MODES:
+            raise ValueError(f"dp_padding_mode must be one of {PADDING_MODES}, got {self.dp_padding_mode!r}")
+        if self.chunked_prefill_size < 1:
+            raise ValueError(f"chunked_prefill_size must be >= 1, got {self.chunked_prefill_size}")
+        if self.max_running_requests < 1:
+            raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
+        if self.device == "auto":
+            import torch
+
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'auto', got {self.device!r}")
+        if self.dtype == "auto":
+            self.dtype = "float32" if self.device == "cpu" else "bfloat16"
+        if self.dtype not in ("float32", "float16", "bfloat16"):
+            raise ValueError(f"dtype must be float32, float16, bfloat16 or auto, got {self.dtype!r}")
+
+    @property
+    def attn_tp_size(self) -> int:
+        return self.tp_size // self.dp_size

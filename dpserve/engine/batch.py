@@ -1,0 +1,20 @@
+"""What one rank feeds the model in one step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dpserve.attention.paged import AttentionMetadata
+from dpserve.layers.dp_attention import DPStep
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [n_g] this group's new tokens
+    positions: torch.Tensor  # [n_g]
+    out_slots: torch.Tensor  # [n_g] KV pool slots the new tokens are written to
+    attn: AttentionMetadata
+    logit_idx: torch.Tensor  # indices into the n_g tokens whose next token is sampled
+    step: DPStep

@@ -1,0 +1,96 @@
+"""One rank's model, KV pool, and the step that turns a StepPlan into logits."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from dpserve.attention.paged import AttentionMetadata
+from dpserve.config import EngineConfig
+from dpserve.distributed import Groups
+from dpserve.engine.batch import ForwardBatch
+from dpserve.kvcache.pool import KVPool
+from dpserve.layers.dp_attention import DPStep
+from dpserve.models.checkpoint import CheckpointReader
+from dpserve.models.config import ModelConfig
+from dpserve.models.registry import build_model
+from dpserve.scheduler.plan import RequestSlots, StepPlan
+
+logger = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_GB = 0.25
+GPU_KV_FRACTION_OF_FREE = 0.8  # of the memory left after the weights; the rest is for activations
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class ModelRunner:
+    def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, groups: Groups, local_rank: int):
+        self.cfg, self.model_cfg, self.groups = cfg, model_cfg, groups
+        self.topo = groups.topo
+        self.device = torch.device("cuda", local_rank) if cfg.device == "cuda" else torch.device("cpu")
+        if cfg.device == "cuda":
+            torch.cuda.set_device(self.device)
+        self.dtype = DTYPES[cfg.dtype]
+        torch.manual_seed(cfg.random_seed)
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                self.model = build_model(model_cfg, groups)
+        finally:
+            torch.set_default_dtype(previous)
+        reader = CheckpointReader(cfg.model_path, self.dtype)
+        self.model.load_weights(reader, show_progress=self.topo.rank == 0)
+        reader.close()
+        self.model.to(self.device)
+        shapes = self.model.kv_entry_shapes()
+        self.kv_bytes_per_token = KVPool.bytes_per_token(model_cfg.num_layers, shapes, self.dtype)
+        self.max_total_num_tokens = self._kv_capacity()
+        self.pool = KVPool(model_cfg.num_layers, self.max_total_num_tokens, shapes, self.dtype, self.device)
+        self.slots = RequestSlots()
+
+    def _kv_capacity(self) -> int:
+        if self.cfg.max_total_tokens is not None:
+            return self.cfg.max_total_tokens
+        if self.cfg.kv_cache_memory_gb is not None:
+            budget = self.cfg.kv_cache_memory_gb * 2**30
+        elif self.cfg.device == "cuda":
+            budget = torch.cuda.mem_get_info(self.device)[0] * GPU_KV_FRACTION_OF_FREE
+        else:
+            budget = CPU_DEFAULT_KV_GB * 2**30
+        tokens = int(budget // self.kv_bytes_per_token)
+        if tokens < 1:
+            raise ValueError(
+                f"a KV budget of {budget / 2**20:.1f} MiB per rank holds no token "
+                f"({self.kv_bytes_per_token} bytes per token)"
+            )
+        return tokens
+
+    def make_step(self, tokens: list[int], logit_rows: list[int]) -> DPStep:
+        return DPStep(
+            mode=self.cfg.dp_padding_mode,
+            tokens=tuple(tokens),
+            logit_rows=tuple(logit_rows),
+            dp_rank=self.topo.dp_rank,
+            attn_tp_size=self.topo.attn_tp_size,
+        )
+
+    def forward(self, plan: StepPlan, step: DPStep) -> torch.Tensor:
+        """Runs the model on this group's plan (possibly empty); returns logits of sampled rows."""
+        dev = self.device
+        q_lens = [len(t) for t in plan.new_tokens]
+        kv_slots = [self.slots.slots[rid] for rid in plan.rids]
+        positions = [len(s) - q + i for s, q in zip(kv_slots, q_lens, strict=True) for i in range(q)]
+        ends = torch.tensor(q_lens, dtype=torch.long).cumsum(0) - 1
+        logit_idx = ends[torch.tensor(plan.sample, dtype=torch.bool)]
+        batch = ForwardBatch(
+            input_ids=torch.tensor([t for ts in plan.new_tokens for t in ts], dtype=torch.long, device=dev),
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            out_slots=torch.tensor([s for ss in plan.new_slots for s in ss], dtype=torch.long, device=dev),
+            attn=AttentionMetadata.build(q_lens, kv_slots, dev),
+            logit_idx=logit_idx.to(dev),
+            step=step,
+        )
+        return self.model(batch, self.pool)

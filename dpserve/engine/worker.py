@@ -1,0 +1,134 @@
+"""The loop every rank runs. All ranks step in lockstep:
+
+1. the group leader drains its request socket and schedules a StepPlan;
+2. the plan is broadcast inside the group (ATTN_TP, CPU);
+3. every rank all-gathers (tokens, rows to sample, shutdown) over the CPU group, so all
+   agree on the step's layout; when every group is idle no forward runs;
+4. the forward joins every WORLD collective, idle groups with zero rows;
+5. the leader samples, updates its requests and sends finished outputs to the front end.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import traceback
+from dataclasses import dataclass
+
+import torch
+import zmq
+
+from dpserve.config import EngineConfig
+from dpserve.distributed import Topology, all_gather_ints, broadcast_object, init_groups
+from dpserve.engine.model_runner import ModelRunner
+from dpserve.engine.sampler import sample
+from dpserve.models.config import ModelConfig
+from dpserve.scheduler.plan import StepPlan
+from dpserve.scheduler.request import GenerateRequest
+from dpserve.scheduler.scheduler import Scheduler
+
+IDLE_POLL_MS = 5
+
+logger = logging.getLogger("dpserve.worker")
+
+
+@dataclass(frozen=True)
+class WorkerAddresses:
+    dist_init: str  # host:port for torch.distributed
+    requests: list[str]  # ZMQ address per DP group (front end -> group leader)
+    outputs: str  # ZMQ address of the front end's collector (every rank -> front end)
+
+
+def run_worker(rank: int, cfg: EngineConfig, addrs: WorkerAddresses) -> None:
+    """Process entry point for one rank; reports failures to the front end before exiting."""
+    logging.basicConfig(level=cfg.log_level.upper(), format=f"[rank {rank}] %(levelname)s %(message)s")
+    if cfg.device == "cpu":
+        torch.set_num_threads(1)
+    ctx = zmq.Context()
+    out = ctx.socket(zmq.PUSH)
+    out.connect(addrs.outputs)
+    try:
+        _serve(rank, cfg, addrs, ctx, out)
+    except BaseException as e:  # the front end must learn of every failure, never hang
+        out.send_pyobj(
+            {"type": "error", "rank": rank, "error": f"{e!r}", "traceback": traceback.format_exc()}
+        )
+        out.close(linger=2000)
+        os._exit(1)
+    out.close(linger=2000)
+
+
+def _serve(rank: int, cfg: EngineConfig, addrs: WorkerAddresses, ctx: zmq.Context, out: zmq.Socket) -> None:
+    topo = Topology(cfg.tp_size, cfg.dp_size, rank)
+    model_cfg = ModelConfig.load(cfg.model_path)
+    model_cfg.validate(topo)
+    groups = init_groups(topo, cfg.device, addrs.dist_init)
+    runner = ModelRunner(cfg, model_cfg, groups, local_rank=rank % max(torch.cuda.device_count(), 1))
+    leader_rank = topo.dp_rank * topo.attn_tp_size
+    scheduler = requests = None
+    if topo.is_group_leader:
+        scheduler = Scheduler(
+            topo.dp_rank,
+            runner.max_total_num_tokens,
+            cfg.max_running_requests,
+            cfg.chunked_prefill_size,
+            model_cfg.context_len,
+            model_cfg.eos_token_ids,
+            cfg.random_seed,
+            runner.slots,
+        )
+        requests = ctx.socket(zmq.PULL)
+        requests.connect(addrs.requests[topo.dp_rank])
+    out.send_pyobj(
+        {
+            "type": "ready",
+            "rank": rank,
+            "dp_rank": topo.dp_rank,
+            "max_total_num_tokens": runner.max_total_num_tokens,
+            "kv_bytes_per_token": runner.kv_bytes_per_token,
+        }
+    )
+    idle = True
+    shutdown = False
+    while True:
+        plan = None
+        if scheduler is not None:
+            shutdown |= _drain(requests, scheduler, out, wait_ms=IDLE_POLL_MS if idle else 0)
+            plan = scheduler.schedule()
+            plan.shutdown = shutdown
+        plan: StepPlan = broadcast_object(plan, leader_rank, groups.attn_tp_cpu)
+        runner.slots.apply(plan)
+        meta = all_gather_ints([plan.num_tokens, plan.num_samples, int(plan.shutdown)], groups.world_cpu)
+        meta = meta.view(cfg.tp_size, 3)[:: topo.attn_tp_size]  # one row per DP group
+        if meta[:, 2].any():
+            break
+        idle = not meta[:, 0].any()
+        if idle:
+            continue
+        step = runner.make_step(meta[:, 0].tolist(), meta[:, 1].tolist())
+        logits = runner.forward(plan, step)
+        if scheduler is not None and plan.num_samples:
+            tokens, logprobs = sample(logits, scheduler.params(plan), scheduler.generators(plan))
+            for output in scheduler.process_samples(plan, tokens, logprobs):
+                out.send_pyobj({"type": "output", **output})
+    if groups.world is not None:
+        torch.distributed.destroy_process_group()
+
+
+def _drain(sock: zmq.Socket, scheduler: Scheduler, out: zmq.Socket, wait_ms: int) -> bool:
+    """Takes every pending message; returns True when asked to shut down."""
+    shutdown = False
+    while sock.poll(wait_ms):
+        wait_ms = 0
+        msg = sock.recv_pyobj()
+        if isinstance(msg, GenerateRequest):
+            error = scheduler.add(msg)
+            if error is not None:
+                out.send_pyobj({"type": "output", **error})
+        elif msg["type"] == "abort":
+            result = scheduler.abort(msg["rid"])
+            if result is not None:
+                out.send_pyobj({"type": "output", **result})
+        elif msg["type"] == "shutdown":
+            shutdown = True
+    return shutdown

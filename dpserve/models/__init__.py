@@ -1,0 +1,1 @@
+"""Model definitions; `registry.build_model` picks one by architecture."""

@@ -1,0 +1,84 @@
+"""The decoder stack shared by every model: embedding, layers, final norm, LM head."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm import tqdm
+
+from dpserve.distributed import Groups, all_gather
+from dpserve.engine.batch import ForwardBatch
+from dpserve.kvcache.pool import KVPool
+from dpserve.layers.dp_attention import DPAttentionComm
+from dpserve.layers.mlp import MLP, MoE
+from dpserve.layers.norm import RMSNorm
+from dpserve.models.checkpoint import CheckpointReader
+from dpserve.models.config import ModelConfig
+
+
+class DecoderLayer(nn.Module):
+    """Attention on local rows, DP gather, MLP/MoE on global rows, DP scatter."""
+
+    def __init__(self, cfg: ModelConfig, attn: nn.Module, mlp: MLP | MoE, comm: DPAttentionComm):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = attn
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = mlp
+        self.comm = comm
+
+    def forward(self, hidden: torch.Tensor, batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
+        attn_partial = self.self_attn(self.input_layernorm(hidden), batch, pool)
+        global_rows, residual = self.comm.gather(attn_partial, hidden, batch.step)
+        mlp_partial = self.mlp(self.post_attention_layernorm(global_rows))
+        return self.comm.scatter(mlp_partial, residual, batch.step)
+
+
+class CausalLM(nn.Module):
+    """Replicated embedding; LM head vocabulary-parallel over WORLD (vocab padded, never cut)."""
+
+    def __init__(self, cfg: ModelConfig, groups: Groups, layers: list[DecoderLayer]):
+        super().__init__()
+        self.cfg, self.groups = cfg, groups
+        self.comm = layers[0].comm if layers else DPAttentionComm(groups)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        t = groups.topo.tp_size
+        self.vocab_shard = -(-cfg.vocab_size // t)
+        self.lm_head = nn.Parameter(torch.empty(self.vocab_shard, cfg.hidden_size), requires_grad=False)
+
+    @torch.no_grad()
+    def forward(self, batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
+        """Returns the full-vocabulary logits (float32) of this group's rows to sample."""
+        hidden = self.embed_tokens(batch.input_ids)
+        for layer in self.layers:
+            hidden = layer(hidden, batch, pool)
+        rows = self.norm(hidden[batch.logit_idx])
+        rows, offset = self.comm.gather_logit_rows(rows, batch.step)
+        shard = F.linear(rows, self.lm_head).float()  # [rows, vocab_shard]
+        logits = all_gather(shard.t().contiguous(), self.groups.world).t()
+        n = batch.logit_idx.shape[0]
+        return logits[offset : offset + n, : self.cfg.vocab_size]
+
+    def load_weights(self, r: CheckpointReader, show_progress: bool) -> None:
+        cfg, topo = self.cfg, self.groups.topo
+        self.embed_tokens.weight.data.copy_(r.get("model.embed_tokens.weight"))
+        head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+        start = topo.rank * self.vocab_shard
+        self.lm_head.data.copy_(r.get_rows(head, start, start + self.vocab_shard))
+        self.norm.weight.data.copy_(r.get("model.norm.weight"))
+        layers = tqdm(
+            list(enumerate(self.layers)), desc="Loading weights", unit="layer", disable=not show_progress
+        )
+        for i, layer in layers:
+            p = f"model.layers.{i}"
+            layer.input_layernorm.weight.data.copy_(r.get(f"{p}.input_layernorm.weight"))
+            layer.post_attention_layernorm.weight.data.copy_(r.get(f"{p}.post_attention_layernorm.weight"))
+            layer.self_attn.load(r, f"{p}.self_attn")
+            layer.mlp.load(r, f"{p}.mlp", topo.rank, topo.tp_size)
+
+    def kv_entry_shapes(self) -> list[tuple[int, ...]]:
+        return self.layers[0].self_attn.kv_entry_shapes()

@@ -1,0 +1,88 @@
+"""The model facts the engine needs, read from a Hugging Face config, and the shape checks
+that decide whether a (tp, dp) layout can serve it."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from transformers import AutoConfig, PretrainedConfig
+
+from dpserve.distributed import Topology
+
+MLA_ARCHS = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+SUPPORTED_ARCHS = (*MLA_ARCHS, "LlamaForCausalLM")
+
+
+@dataclass
+class ModelConfig:
+    hf: PretrainedConfig
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    rms_norm_eps: float
+    context_len: int
+    tie_word_embeddings: bool
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def is_mla(self) -> bool:
+        return self.arch in MLA_ARCHS
+
+    @classmethod
+    def load(cls, model_path: str) -> ModelConfig:
+        hf = AutoConfig.from_pretrained(model_path)
+        arch = (hf.architectures or ["?"])[0]
+        if arch not in SUPPORTED_ARCHS:
+            raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHS)}")
+        return cls(
+            hf=hf,
+            arch=arch,
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            num_layers=hf.num_hidden_layers,
+            num_heads=hf.num_attention_heads,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+            rms_norm_eps=hf.rms_norm_eps,
+            context_len=hf.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            eos_token_ids=_eos_ids(Path(model_path), hf),
+        )
+
+    def validate(self, topo: Topology) -> None:
+        """Raises ValueError naming the numbers when the layout cannot split this model."""
+        a, t = topo.attn_tp_size, topo.tp_size
+        layout = f"(tp={t}, dp={topo.dp_size}, attention TP size {a})"
+        if self.num_heads % a:
+            raise ValueError(f"num_attention_heads={self.num_heads} is not divisible by {a} {layout}")
+        if not self.is_mla and self.num_kv_heads % a and a % self.num_kv_heads:
+            raise ValueError(
+                f"num_key_value_heads={self.num_kv_heads} must divide or be divisible by {a} {layout}"
+            )
+        sizes = {"intermediate_size": self.hf.intermediate_size}
+        if self.is_mla and self.hf.n_routed_experts:
+            sizes["moe_intermediate_size"] = self.hf.moe_intermediate_size
+            sizes["moe_intermediate_size * n_shared_experts"] = self.hf.moe_intermediate_size * (
+                self.hf.n_shared_experts or 0
+            )
+            if self.hf.first_k_dense_replace == 0:
+                del sizes["intermediate_size"]
+        for name, size in sizes.items():
+            if size % t:
+                raise ValueError(f"{name}={size} is not divisible by tp_size={t} {layout}")
+
+
+def _eos_ids(model_path: Path, hf: PretrainedConfig) -> tuple[int, ...]:
+    eos = None
+    gen = model_path / "generation_config.json"
+    if gen.exists():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+    if eos is None:
+        eos = hf.eos_token_id
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (eos,)

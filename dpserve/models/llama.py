@@ -1,0 +1,75 @@
+"""Llama-family dense models with grouped-query attention (also SmolLM2)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dpserve.attention.paged import mha_attention
+from dpserve.distributed import Topology
+from dpserve.engine.batch import ForwardBatch
+from dpserve.kvcache.pool import KVPool
+from dpserve.layers.linear import Linear
+from dpserve.layers.mlp import MLP
+from dpserve.layers.rotary import RotaryEmbedding
+from dpserve.models.checkpoint import CheckpointReader
+from dpserve.models.config import ModelConfig
+
+
+class GQAAttention(nn.Module):
+    """Query heads split over ATTN_TP; KV heads split too, or replicated when A > kv heads."""
+
+    def __init__(self, cfg: ModelConfig, topo: Topology, layer_id: int):
+        super().__init__()
+        hf = cfg.hf
+        if getattr(hf, "attention_bias", False) or getattr(hf, "mlp_bias", False):
+            raise ValueError("Llama checkpoints with attention_bias or mlp_bias are not supported")
+        a = topo.attn_tp_size
+        self.layer_id, self.topo = layer_id, topo
+        self.head_dim = getattr(hf, "head_dim", None) or cfg.hidden_size // cfg.num_heads
+        self.heads = cfg.num_heads // a
+        self.kv_heads = max(cfg.num_kv_heads // a, 1)
+        # With A > kv heads, rank r holds the one KV head its query heads use.
+        self.kv_start = topo.attn_tp_rank * cfg.num_kv_heads // a if a > cfg.num_kv_heads else None
+        self.num_kv_heads = cfg.num_kv_heads
+        h, d = cfg.hidden_size, self.head_dim
+        self.qkv_proj = Linear(h, (self.heads + 2 * self.kv_heads) * d)
+        self.o_proj = Linear(self.heads * d, h)
+        self.scale = d**-0.5
+        self.rotary = RotaryEmbedding(d, cfg.context_len, dict(hf.rope_parameters or {}), interleaved=False)
+
+    def kv_entry_shapes(self) -> list[tuple[int, ...]]:
+        return [(self.kv_heads, self.head_dim), (self.kv_heads, self.head_dim)]
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
+        n = x.shape[0]
+        if n == 0:
+            return x.new_zeros(0, x.shape[1])
+        q, k, v = (
+            self.qkv_proj(x)
+            .view(n, -1, self.head_dim)
+            .split([self.heads, self.kv_heads, self.kv_heads], dim=1)
+        )
+        q, k = self.rotary(q, batch.positions), self.rotary(k, batch.positions)
+        pool.write(self.layer_id, batch.out_slots, k, v)
+        k_cache, v_cache = pool.layers[self.layer_id]
+        out = mha_attention(q, k_cache, v_cache, batch.attn, self.scale)
+        return self.o_proj(out.reshape(n, -1))
+
+    def _kv_weight(self, r: CheckpointReader, name: str) -> torch.Tensor:
+        if self.kv_start is None:
+            return r.get_shard(name, 0, self.topo.attn_tp_rank, self.topo.attn_tp_size)
+        return r.get_shard(name, 0, self.kv_start, self.num_kv_heads)
+
+    def load(self, r: CheckpointReader, prefix: str) -> None:
+        shard, count = self.topo.attn_tp_rank, self.topo.attn_tp_size
+        q = r.get_shard(f"{prefix}.q_proj.weight", 0, shard, count)
+        k = self._kv_weight(r, f"{prefix}.k_proj.weight")
+        v = self._kv_weight(r, f"{prefix}.v_proj.weight")
+        self.qkv_proj.weight.data.copy_(torch.cat([q, k, v]))
+        self.o_proj.weight.data.copy_(r.get_shard(f"{prefix}.o_proj.weight", 1, shard, count))
+
+
+def build_llama_layers(cfg: ModelConfig, topo: Topology) -> list[tuple[nn.Module, nn.Module]]:
+    inter = cfg.hf.intermediate_size // topo.tp_size
+    return [(GQAAttention(cfg, topo, i), MLP(cfg.hidden_size, inter)) for i in range(cfg.num_layers)]
