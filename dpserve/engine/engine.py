@@ -70,6 +70,7 @@ class Engine:
         ]
         self._next_group = itertools.count()
         self._results: dict[str, dict] = {}
+        self._step_logs: dict[int, list] = {}
         for p in self._procs:
             p.start()
         self._closed = False
@@ -113,22 +114,40 @@ class Engine:
         groups = [next(self._next_group) % self.cfg.dp_size for _ in ids]
         for i, (x, p, g) in enumerate(zip(ids, params, groups, strict=True)):
             try:
-                check_request_fits(
-                    len(x), p, self.model_cfg.context_len, self.dp_info[g]["max_total_num_tokens"]
-                )
+                self._check_fits(x, p, g)
             except ValueError as e:
                 raise ValueError(f"request {i}: {e}") from None
-        rids = []
-        for x, p, g in zip(ids, params, groups, strict=True):
-            rid = uuid.uuid4().hex
-            rids.append(rid)
-            self._send(g, GenerateRequest(rid, x, p, return_logprob))
-        outputs = [self._wait(rid) for rid in rids]
-        errors = [o["finish_reason"]["message"] for o in outputs if o["finish_reason"]["type"] == "abort"]
-        if errors:
-            raise ValueError("; ".join(errors))
-        results = [self._format(o, return_logprob) for o in outputs]
+        rids = [self._submit(x, p, return_logprob, g) for x, p, g in zip(ids, params, groups, strict=True)]
+        results = [self.wait(rid) for rid in rids]
         return results[0] if single else results
+
+    def submit(
+        self,
+        input_ids: list[int],
+        sampling_params: dict | None = None,
+        return_logprob: bool = False,
+        dp_rank: int | None = None,
+    ) -> str:
+        """Queues one request without waiting; returns its id for `wait`."""
+        params = SamplingParams.from_dict(sampling_params)
+        group = next(self._next_group) % self.cfg.dp_size if dp_rank is None else dp_rank
+        if not 0 <= group < self.cfg.dp_size:
+            raise ValueError(f"dp_rank={dp_rank} is outside [0, {self.cfg.dp_size})")
+        self._check_fits(input_ids, params, group)
+        return self._submit(list(input_ids), params, return_logprob, group)
+
+    def wait(self, rid: str) -> dict:
+        """Blocks until request `rid` finishes; raises ValueError if it was rejected."""
+        while rid not in self._results:
+            self._receive()
+        o = self._results.pop(rid)
+        if o["finish_reason"]["type"] == "abort":
+            raise ValueError(o["finish_reason"]["message"])
+        text = self.tokenizer.decode(o["output_ids"], skip_special_tokens=True) if self.tokenizer else ""
+        meta = {k: o[k] for k in ("prompt_tokens", "completion_tokens", "finish_reason", "dp_rank")}
+        if o["return_logprob"]:
+            meta["output_token_logprobs"] = o["output_token_logprobs"]
+        return {"text": text, "output_ids": o["output_ids"], "meta_info": meta}
 
     def get_server_info(self) -> dict:
         return {
@@ -144,6 +163,15 @@ class Engine:
                 for g, info in enumerate(self.dp_info)
             ],
         }
+
+    def get_step_log(self) -> list[list]:
+        """Per DP group, the StepRecords of the steps run since the last call (then cleared)."""
+        for sock in self._requests:
+            sock.send_pyobj({"type": "get_step_log"})
+        while len(self._step_logs) < self.cfg.dp_size:
+            self._receive()
+        logs, self._step_logs = self._step_logs, {}
+        return [logs[g] for g in range(self.cfg.dp_size)]
 
     def shutdown(self) -> None:
         if self._closed:
@@ -178,10 +206,14 @@ class Engine:
             raise RuntimeError("the engine is shut down")
         self._requests[group].send_pyobj(msg)
 
-    def _wait(self, rid: str) -> dict:
-        while rid not in self._results:
-            self._receive()
-        return self._results.pop(rid)
+    def _check_fits(self, input_ids: list[int], params: SamplingParams, group: int) -> None:
+        capacity = self.dp_info[group]["max_total_num_tokens"]
+        check_request_fits(len(input_ids), params, self.model_cfg.context_len, capacity)
+
+    def _submit(self, input_ids: list[int], params: SamplingParams, return_logprob: bool, group: int) -> str:
+        rid = uuid.uuid4().hex
+        self._send(group, GenerateRequest(rid, input_ids, params, return_logprob))
+        return rid
 
     def _receive(self) -> None:
         """Takes one message from the workers; raises WorkerFailure if a rank failed or died."""
@@ -199,20 +231,10 @@ class Engine:
             raise WorkerFailure(f"worker rank {msg['rank']} failed: {msg['error']}\n{msg['traceback']}")
         if msg["type"] == "ready":
             self._ready[msg["rank"]] = msg
+        elif msg["type"] == "step_log":
+            self._step_logs[msg["dp_rank"]] = msg["steps"]
         else:
             self._results[msg["rid"]] = msg
-
-    def _format(self, o: dict, return_logprob: bool) -> dict:
-        text = self.tokenizer.decode(o["output_ids"], skip_special_tokens=True) if self.tokenizer else ""
-        meta = {
-            "prompt_tokens": o["prompt_tokens"],
-            "completion_tokens": o["completion_tokens"],
-            "finish_reason": o["finish_reason"],
-            "dp_rank": o["dp_rank"],
-        }
-        if return_logprob:
-            meta["output_token_logprobs"] = o["output_token_logprobs"]
-        return {"text": text, "output_ids": o["output_ids"], "meta_info": meta}
 
 
 def _load_tokenizer(model_path: str):

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import traceback
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -28,8 +30,23 @@ from dpserve.scheduler.request import GenerateRequest
 from dpserve.scheduler.scheduler import Scheduler
 
 IDLE_POLL_MS = 5
+STEP_LOG_LEN = 100_000
+MODES = ("idle", "decode", "extend")  # ordered so that a step's global kind is the max code
+MODE_CODES = {m: i for i, m in enumerate(MODES)}
 
 logger = logging.getLogger("dpserve.worker")
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One forward step as a group leader saw it (the accounting behind benchmarks)."""
+
+    kind: str  # "extend" if any group prefilled, else "decode"
+    local_mode: str  # this group's mode: extend, decode or idle
+    padding_mode: str  # sum_len or max_len
+    tokens: tuple[int, ...]  # real tokens of every DP group
+    mlp_rows: int  # rows the MoE/MLP processed (real + padding)
+    seconds: float
 
 
 @dataclass(frozen=True)
@@ -90,32 +107,47 @@ def _serve(rank: int, cfg: EngineConfig, addrs: WorkerAddresses, ctx: zmq.Contex
     )
     idle = True
     shutdown = False
+    step_log: deque[StepRecord] = deque(maxlen=STEP_LOG_LEN)
     while True:
         plan = None
         if scheduler is not None:
-            shutdown |= _drain(requests, scheduler, out, wait_ms=IDLE_POLL_MS if idle else 0)
+            shutdown |= _drain(requests, scheduler, out, step_log, wait_ms=IDLE_POLL_MS if idle else 0)
             plan = scheduler.schedule()
             plan.shutdown = shutdown
         plan: StepPlan = broadcast_object(plan, leader_rank, groups.attn_tp_cpu)
         runner.slots.apply(plan)
-        meta = all_gather_ints([plan.num_tokens, plan.num_samples, int(plan.shutdown)], groups.world_cpu)
-        meta = meta.view(cfg.tp_size, 3)[:: topo.attn_tp_size]  # one row per DP group
-        if meta[:, 2].any():
+        local = [plan.num_tokens, plan.num_samples, MODE_CODES[plan.mode], int(plan.shutdown)]
+        meta = all_gather_ints(local, groups.world_cpu)[:: topo.attn_tp_size]  # one row per DP group
+        if meta[:, 3].any():
             break
         idle = not meta[:, 0].any()
         if idle:
             continue
+        start = time.perf_counter()
         step = runner.make_step(meta[:, 0].tolist(), meta[:, 1].tolist())
         logits = runner.forward(plan, step)
-        if scheduler is not None and plan.num_samples:
-            tokens, logprobs = sample(logits, scheduler.params(plan), scheduler.generators(plan))
-            for output in scheduler.process_samples(plan, tokens, logprobs):
-                out.send_pyobj({"type": "output", **output})
+        if scheduler is not None:
+            if plan.num_samples:
+                tokens, logprobs = sample(logits, scheduler.params(plan), scheduler.generators(plan))
+                for output in scheduler.process_samples(plan, tokens, logprobs):
+                    out.send_pyobj({"type": "output", **output})
+            step_log.append(
+                StepRecord(
+                    kind=MODES[int(meta[:, 2].max())],
+                    local_mode=plan.mode,
+                    padding_mode=step.mode,
+                    tokens=step.tokens,
+                    mlp_rows=step.mlp_rows,
+                    seconds=time.perf_counter() - start,
+                )
+            )
     if groups.world is not None:
         torch.distributed.destroy_process_group()
 
 
-def _drain(sock: zmq.Socket, scheduler: Scheduler, out: zmq.Socket, wait_ms: int) -> bool:
+def _drain(
+    sock: zmq.Socket, scheduler: Scheduler, out: zmq.Socket, step_log: deque[StepRecord], wait_ms: int
+) -> bool:
     """Takes every pending message; returns True when asked to shut down."""
     shutdown = False
     while sock.poll(wait_ms):
@@ -129,6 +161,9 @@ def _drain(sock: zmq.Socket, scheduler: Scheduler, out: zmq.Socket, wait_ms: int
             result = scheduler.abort(msg["rid"])
             if result is not None:
                 out.send_pyobj({"type": "output", **result})
+        elif msg["type"] == "get_step_log":
+            out.send_pyobj({"type": "step_log", "dp_rank": scheduler.dp_rank, "steps": list(step_log)})
+            step_log.clear()
         elif msg["type"] == "shutdown":
             shutdown = True
     return shutdown

@@ -48,7 +48,8 @@ class Scheduler:
         try:
             check_request_fits(len(msg.input_ids), msg.params, self.context_len, self.kv_capacity)
         except ValueError as e:
-            return self._output(msg.rid, msg.input_ids, [], [], {"type": "abort", "message": str(e)})
+            reason = {"type": "abort", "message": str(e)}
+            return self._output(msg.rid, msg.input_ids, [], [], msg.return_logprob, reason)
         gen = None if msg.params.seed is None else torch.Generator().manual_seed(msg.params.seed)
         need = min(len(msg.input_ids) + msg.params.max_new_tokens, self.context_len)
         self.waiting.append(Req(msg.rid, msg.input_ids, msg.params, msg.return_logprob, need, gen))
@@ -145,12 +146,15 @@ class Scheduler:
             self.allocator.free(self.slots.slots.pop(req.rid, []))
             self.to_free.append(req.rid)
         logprobs = req.logprobs if req.return_logprob else []
-        return self._output(req.rid, req.input_ids, req.output_ids, logprobs, reason)
+        return self._output(req.rid, req.input_ids, req.output_ids, logprobs, req.return_logprob, reason)
 
-    def _output(self, rid: str, input_ids: list[int], output_ids: list[int], logprobs, reason) -> dict:
+    def _output(
+        self, rid: str, input_ids: list[int], output_ids: list[int], logprobs, return_logprob: bool, reason
+    ) -> dict:
         return {
             "rid": rid,
             "output_ids": list(output_ids),
+            "return_logprob": return_logprob,
             "output_token_logprobs": list(logprobs),
             "finish_reason": reason,
             "prompt_tokens": len(input_ids),

@@ -1,0 +1,254 @@
+"""Static batch latency benchmark, modelled on SGLang's bench_one_batch but run through dpserve's Engine.
+
+For each batch size, one batch of random prompts is prefilled and then decoded to a fixed length; the
+latencies come from the engine's per-step timings, so they cover the forward and sampling only.
+
+    python -m dpserve.bench_one_batch --model-path /tmp/tiny_v2 --tp 2 --dp 2 --enable-dp-attention \\
+        --batch-size 1 8 32 --input-len 128 --output-len 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import statistics
+import time
+
+import numpy as np
+from tqdm import tqdm
+
+from dpserve import Engine
+from dpserve.config import PADDING_MODES
+
+FIRST_PROMPT_ID = 3  # ids below are special tokens (bos, eos, pad) in dpserve's test checkpoints
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m dpserve.bench_one_batch",
+        description="Static batch latency benchmark (prefill, decode and end-to-end) through dpserve's "
+        "Engine. Prefill latency is the sum over every step in which some DP group prefilled: a batch's "
+        "prompts may be spread over several steps (chunked prefill, or requests that reach the scheduler "
+        "at different times), and such a step may also carry other requests' decode tokens. The decode "
+        "latency is the median over the decode steps that ran the whole batch.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--model-path", required=True, help="Hugging Face checkpoint directory")
+    p.add_argument("--tp", type=positive_int, default=1, help="tensor parallel size (number of ranks)")
+    p.add_argument("--dp", type=positive_int, default=1, help="data parallel size (DP attention groups)")
+    p.add_argument("--enable-dp-attention", action="store_true", help="DP attention (required when --dp > 1)")
+    p.add_argument(
+        "--batch-size", type=positive_int, nargs="+", default=[1], help="batch sizes to run, in order"
+    )
+    p.add_argument("--input-len", type=positive_int, default=1024, help="prompt length in tokens")
+    p.add_argument(
+        "--output-len",
+        type=positive_int,
+        default=16,
+        help="new tokens per request (>= 2: the first token comes from the prefill)",
+    )
+    p.add_argument(
+        "--warmup-output-len",
+        type=int,
+        default=4,
+        help="new tokens per request of the unmeasured warm-up batch run before each batch size; 0 skips it",
+    )
+    p.add_argument(
+        "--dp-padding-mode",
+        choices=PADDING_MODES,
+        default="sum_len",
+        help="how the MoE input is padded across DP groups",
+    )
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: cuda if present")
+    p.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "float16", "bfloat16"),
+        default="auto",
+        help="auto: float32 on cpu, bfloat16 on cuda",
+    )
+    p.add_argument(
+        "--max-total-tokens",
+        type=positive_int,
+        default=None,
+        help="KV pool size per DP group in tokens (None: sized from the memory budget)",
+    )
+    p.add_argument(
+        "--chunked-prefill-size", type=positive_int, default=2048, help="prefill tokens per step per DP group"
+    )
+    p.add_argument(
+        "--max-running-requests", type=positive_int, default=256, help="running requests per DP group"
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the engine and of the random prompts")
+    p.add_argument("--result-file", default=None, help="append one JSON line per batch size to this file")
+    p.add_argument(
+        "--log-level", choices=("debug", "info", "warning", "error"), default="warning", help="logging level"
+    )
+    args = p.parse_args(argv)
+    if args.output_len < 2:
+        p.error("--output-len must be >= 2 so that there is at least one decode step")
+    if args.warmup_output_len < 0:
+        p.error("--warmup-output-len must be >= 0")
+    return args
+
+
+def check_fits(args: argparse.Namespace, engine: Engine, kv_capacity: int) -> None:
+    """Exits with the numbers if a batch cannot run all at once in one DP group."""
+    context_len = engine.model_cfg.context_len
+    if args.input_len + args.output_len > context_len:
+        raise SystemExit(
+            f"error: --input-len {args.input_len} + --output-len {args.output_len} exceeds the model's "
+            f"context length {context_len}"
+        )
+    for batch in args.batch_size:
+        per_group = math.ceil(batch / args.dp)  # requests are spread round robin
+        need = per_group * (args.input_len + args.output_len)
+        if need > kv_capacity:
+            raise SystemExit(
+                f"error: batch size {batch} needs {per_group} requests x ({args.input_len} + "
+                f"{args.output_len}) = {need} KV tokens per DP group, but a group holds only "
+                f"{kv_capacity}; lower the batch size or raise --max-total-tokens"
+            )
+        if per_group > args.max_running_requests:
+            raise SystemExit(
+                f"error: batch size {batch} puts {per_group} requests on a DP group, more than "
+                f"--max-running-requests {args.max_running_requests}"
+            )
+
+
+def random_prompts(rng: np.random.Generator, batch: int, length: int, vocab_size: int) -> list[list[int]]:
+    return rng.integers(FIRST_PROMPT_ID, vocab_size, size=(batch, length)).tolist()
+
+
+def run_batch(engine: Engine, args: argparse.Namespace, batch: int) -> dict:
+    rng = np.random.default_rng([args.seed, batch])  # the prompts of a batch size do not depend on the order
+    vocab = engine.model_cfg.vocab_size
+    greedy = {"temperature": 0.0, "ignore_eos": True}
+    if args.warmup_output_len:
+        # Fresh prompts for the warm-up, so that nothing it leaves behind can favour the measured run.
+        warmup = random_prompts(rng, batch, args.input_len, vocab)
+        engine.generate(
+            input_ids=warmup, sampling_params={**greedy, "max_new_tokens": args.warmup_output_len}
+        )
+    engine.get_step_log()  # drop the warm-up steps
+    prompts = random_prompts(rng, batch, args.input_len, vocab)
+    start = time.perf_counter()
+    engine.generate(input_ids=prompts, sampling_params={**greedy, "max_new_tokens": args.output_len})
+    total = time.perf_counter() - start
+    steps = engine.get_step_log()[0]  # all groups step in lockstep, so group 0 logs every step
+    prefill = [s for s in steps if s.kind == "extend"]
+    decode = [s for s in steps if s.kind == "decode" and sum(s.tokens) == batch]
+    prefill_latency = sum(s.seconds for s in prefill)
+    # Empty only if early requests decoded alone for the whole output length while others still waited.
+    decode_latency = statistics.median(s.seconds for s in decode) if decode else None
+    return {
+        "batch_size": batch,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "prefill_steps": len(prefill),
+        "prefill_latency": prefill_latency,
+        "prefill_throughput": batch * args.input_len / prefill_latency,
+        "decode_steps": len(decode),
+        "median_decode_latency": decode_latency,
+        "median_decode_throughput": batch / decode_latency if decode else None,
+        "median_decode_mlp_rows": statistics.median(s.mlp_rows for s in decode) if decode else None,
+        "total_latency": total,
+        "overall_throughput": (args.input_len + args.output_len) * batch / total,
+    }
+
+
+def fmt(value: float | None, spec: str, scale: float = 1.0) -> str:
+    return "n/a" if value is None else format(value * scale, spec)
+
+
+def report(r: dict) -> str:
+    return "\n".join(
+        [
+            f"Batch size: {r['batch_size']}, input_len: {r['input_len']}, output_len: {r['output_len']}",
+            f"Prefill. latency: {r['prefill_latency']:6.5f} s, "
+            f"throughput: {r['prefill_throughput']:9.2f} token/s ({r['prefill_steps']} steps)",
+            f"Decode.  median latency: {fmt(r['median_decode_latency'], '6.5f')} s, "
+            f"median throughput: {fmt(r['median_decode_throughput'], '9.2f')} token/s "
+            f"({r['decode_steps']} full-batch steps)",
+            f"Total. latency: {r['total_latency']:6.3f} s, "
+            f"throughput: {r['overall_throughput']:9.2f} token/s",
+        ]
+    )
+
+
+def table(results: list[dict]) -> str:
+    header = (
+        "| tp | dp | attn_tp | batch | prefill (ms) | prefill tok/s | decode step (ms) | decode tok/s "
+        "| MoE rows/step | KV capacity |"
+    )
+    rows = [header, "|" + "---:|" * 10]
+    for r in results:
+        cells = [
+            r["tp_size"],
+            r["dp_size"],
+            r["attn_tp_size"],
+            r["batch_size"],
+            fmt(r["prefill_latency"], ".2f", 1e3),
+            fmt(r["prefill_throughput"], ".1f"),
+            fmt(r["median_decode_latency"], ".2f", 1e3),
+            fmt(r["median_decode_throughput"], ".1f"),
+            fmt(r["median_decode_mlp_rows"], "g"),
+            r["kv_capacity"],
+        ]
+        rows.append("| " + " | ".join(map(str, cells)) + " |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
+    engine_args = dict(
+        model_path=args.model_path,
+        tp_size=args.tp,
+        dp_size=args.dp,
+        enable_dp_attention=args.enable_dp_attention,
+        device=args.device,
+        dtype=args.dtype,
+        random_seed=args.seed,
+        max_total_tokens=args.max_total_tokens,
+        dp_padding_mode=args.dp_padding_mode,
+        chunked_prefill_size=args.chunked_prefill_size,
+        max_running_requests=args.max_running_requests,
+        log_level=args.log_level,
+    )
+    results = []
+    with Engine(**engine_args) as engine:
+        info = engine.get_server_info()
+        capacities = [r["max_total_num_tokens"] for r in info["dp_ranks"]]
+        check_fits(args, engine, min(capacities))
+        setup = {
+            "tp_size": info["tp_size"],
+            "dp_size": info["dp_size"],
+            "attn_tp_size": info["attn_tp_size"],
+            "dp_padding_mode": args.dp_padding_mode,
+            "kv_capacity": sum(capacities),
+        }
+        for batch in tqdm(args.batch_size, desc="batch sizes", unit="batch"):
+            r = {**setup, **run_batch(engine, args, batch)}
+            tqdm.write(report(r))
+            results.append(r)
+            if args.result_file:
+                with open(args.result_file, "a") as f:
+                    f.write(json.dumps({**r, "args": vars(args)}) + "\n")
+    print(
+        f"\nmodel: {args.model_path}, input_len: {args.input_len}, output_len: {args.output_len}, "
+        f"dp_padding_mode: {args.dp_padding_mode}, device: {engine.cfg.device}, dtype: {engine.cfg.dtype}"
+    )
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()

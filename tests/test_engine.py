@@ -1,0 +1,173 @@
+"""Scheduling, KV limits, sampling and failure handling of the Engine."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import GREEDY, KV_BUDGET_GB, NEW_TOKENS, assert_matches_reference
+
+from dpserve import Engine
+from dpserve.engine.engine import WorkerFailure
+from dpserve.testing.reference import random_prompts
+
+SMALL_POOL = 64  # tokens per DP group: one prompt of up to 40 tokens + 16 new at a time
+
+
+def test_small_pool_queues_and_chunks(engine_cache, model_dirs, prompts, references):
+    """Requests wait (not fail) while the pool is full; prompts prefill in chunks of 8."""
+    engine = engine_cache.get(
+        model_dirs["deepseek_v2"],
+        tp_size=2,
+        dp_size=2,
+        enable_dp_attention=True,
+        max_total_tokens=SMALL_POOL,
+        chunked_prefill_size=8,
+    )
+    assert [r["max_total_num_tokens"] for r in engine.get_server_info()["dp_ranks"]] == [SMALL_POOL] * 2
+    outputs = engine.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True)
+    assert_matches_reference(outputs, references["deepseek_v2"])
+    for log in engine.get_step_log():
+        assert max(s.tokens[s.tokens.index(max(s.tokens))] for s in log) <= 8
+        # The pool never held two of these requests at once: every decode step ran one request.
+        assert all(max(s.tokens) == 1 for s in log if s.kind == "decode")
+
+
+def test_request_larger_than_pool_is_rejected(engine_cache, model_dirs, prompts, references):
+    engine = engine_cache.get(
+        model_dirs["deepseek_v2"],
+        tp_size=2,
+        dp_size=2,
+        enable_dp_attention=True,
+        max_total_tokens=SMALL_POOL,
+        chunked_prefill_size=8,
+    )
+    too_big = {"max_new_tokens": 60, "temperature": 0.0}
+    message = (
+        "the request needs 100 KV tokens (40 prompt + up to 60 new), but its DP group's KV pool holds only 64"
+    )
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        engine.generate(input_ids=[1 + i % 200 for i in range(40)], sampling_params=too_big)
+    with pytest.raises(ValueError, match="context length is 512"):
+        engine.generate(input_ids=[5] * 600, sampling_params=GREEDY)
+    # The engine keeps serving.
+    out = engine.generate(input_ids=prompts[1], sampling_params=GREEDY, return_logprob=True)
+    assert_matches_reference([out], references["deepseek_v2"][1:2])
+
+
+def test_eos_and_stop_tokens(engine_cache, model_dirs):
+    engine = engine_cache.get(
+        model_dirs["deepseek_v2"],
+        tp_size=2,
+        dp_size=2,
+        enable_dp_attention=True,
+        max_total_tokens=SMALL_POOL,
+        chunked_prefill_size=8,
+    )
+    eos = engine.model_cfg.eos_token_ids[0]
+    candidates = random_prompts(vocab_size=301, n=12, seed=7, max_len=30)
+    free = engine.generate(input_ids=candidates, sampling_params=GREEDY)
+    with_eos = [(p, o["output_ids"]) for p, o in zip(candidates, free, strict=True) if eos in o["output_ids"]]
+    assert with_eos, "no greedy continuation reached eos; pick another seed"
+    prompt, ids = with_eos[0]
+    stopped = engine.generate(input_ids=prompt, sampling_params={**GREEDY, "ignore_eos": False})
+    assert stopped["output_ids"] == ids[: ids.index(eos) + 1]
+    assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": eos}
+
+    prompt, ids = candidates[0], free[0]["output_ids"]
+    stop_tok = next(t for i, t in enumerate(ids) if i >= 3 and t not in ids[:i])
+    out = engine.generate(input_ids=prompt, sampling_params={**GREEDY, "stop_token_ids": [stop_tok]})
+    assert out["output_ids"] == ids[: ids.index(stop_tok) + 1]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_tok}
+    assert free[0]["meta_info"]["finish_reason"] == {"type": "length", "length": NEW_TOKENS}
+    assert free[0]["meta_info"]["completion_tokens"] == NEW_TOKENS
+    assert free[0]["meta_info"]["prompt_tokens"] == len(prompt)
+    assert "output_token_logprobs" not in free[0]["meta_info"]
+
+
+def test_continuous_batching(engine_cache, model_dirs, prompts, references):
+    """Requests that arrive while another decodes join the running batch and give the same tokens."""
+    engine = engine_cache.get(
+        model_dirs["deepseek_v3"],
+        tp_size=2,
+        dp_size=2,
+        enable_dp_attention=True,
+        kv_cache_memory_gb=KV_BUDGET_GB,
+    )
+    long_params = {**GREEDY, "max_new_tokens": 48}
+    alone = engine.generate(input_ids=prompts[0], sampling_params=long_params)
+    engine.get_step_log()
+    rid = engine.submit(prompts[0], long_params, dp_rank=0)
+    while not any(s.local_mode == "decode" for s in engine.get_step_log()[0]):
+        pass  # the long request has started decoding once group 0 logs a decode step
+    late = [engine.submit(p, GREEDY, return_logprob=True, dp_rank=0) for p in prompts[1:4]]
+    late_out = [engine.wait(r) for r in late]
+    assert engine.wait(rid)["output_ids"] == alone["output_ids"]
+    assert_matches_reference(late_out, references["deepseek_v3"][1:4])
+    log = engine.get_step_log()[0]
+    assert any(s.local_mode == "decode" and s.tokens[0] >= 2 for s in log), "late requests never joined"
+
+
+def test_sampling(engine_cache, model_dirs, prompts):
+    engine = engine_cache.get(model_dirs["llama"], tp_size=1, dp_size=1, kv_cache_memory_gb=KV_BUDGET_GB)
+    seeded = {"max_new_tokens": 12, "temperature": 1.0, "seed": 1234, "ignore_eos": True}
+    one = engine.generate(input_ids=prompts[2], sampling_params=seeded)
+    # Same seed, same tokens, even when batched with other requests.
+    batch = engine.generate(
+        input_ids=[prompts[0], prompts[2], prompts[3]],
+        sampling_params=[{**seeded, "seed": 1}, seeded, {**seeded, "seed": None}],
+    )
+    assert batch[1]["output_ids"] == one["output_ids"]
+    others = [engine.generate(input_ids=prompts[2], sampling_params={**seeded, "seed": s}) for s in (1, 2, 3)]
+    assert len({tuple(o["output_ids"]) for o in [one, *others]}) > 1
+    greedy = engine.generate(input_ids=prompts[2], sampling_params={**seeded, "temperature": 0.0})
+    top1 = engine.generate(input_ids=prompts[2], sampling_params={**seeded, "top_k": 1})
+    assert top1["output_ids"] == greedy["output_ids"]
+
+
+def test_text_prompt(engine_cache, model_dirs):
+    engine = engine_cache.get(model_dirs["llama"], tp_size=1, dp_size=1, kv_cache_memory_gb=KV_BUDGET_GB)
+    out = engine.generate(
+        prompt="The cat sat on the mat", sampling_params={"max_new_tokens": 8, "temperature": 0}
+    )
+    assert out["meta_info"]["prompt_tokens"] == len(engine.tokenizer.encode("The cat sat on the mat"))
+    assert out["text"] == engine.tokenizer.decode(out["output_ids"], skip_special_tokens=True)
+    assert len(engine.generate(prompt=["a", "b c"], sampling_params={"max_new_tokens": 2})) == 2
+
+
+def test_killed_worker_raises(engine_cache, model_dirs):
+    engine_cache.close()
+    engine = Engine(
+        model_path=model_dirs["llama"], tp_size=2, dp_size=2, enable_dp_attention=True, device="cpu"
+    )
+    engine._procs[1].kill()
+    start = time.monotonic()
+    with pytest.raises(WorkerFailure, match="worker rank 1 exited with code -9"):
+        engine.generate(input_ids=[5, 6, 7], sampling_params=GREEDY)
+    assert time.monotonic() - start < 60
+    assert all(not p.is_alive() for p in engine._procs)
+
+
+def test_broken_checkpoint_raises(model_dirs, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(model_dirs["llama"], broken)
+    cfg = json.loads((broken / "config.json").read_text())
+    cfg["num_hidden_layers"] += 1
+    (broken / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(WorkerFailure, match="tensor 'model.layers.2.input_layernorm.weight' not found"):
+        Engine(model_path=str(broken), tp_size=2, device="cpu")
+
+
+def test_tiny_model_cli(tmp_path):
+    out = tmp_path / "cli_llama"
+    subprocess.run(
+        [sys.executable, "-m", "dpserve.testing.tiny_models", "--arch", "llama", "--out", str(out)],
+        check=True,
+    )
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["vocab_size"] == 301
+    assert (out / "tokenizer.json").exists() and (out / "model.safetensors").exists()

@@ -1,0 +1,62 @@
+"""Invalid layouts and model shapes fail at construction, naming the numbers, before any process starts."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from conftest import ARCHS
+
+from dpserve import Engine
+from dpserve.sampling_params import SamplingParams
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"tp_size": 2, "dp_size": 4, "enable_dp_attention": True}, "dp_size=4 must not exceed tp_size=2"),
+        (
+            {"tp_size": 4, "dp_size": 3, "enable_dp_attention": True},
+            "tp_size=4 must be divisible by dp_size=3",
+        ),
+        ({"tp_size": 2, "dp_size": 2}, "dp_size=2 without enable_dp_attention"),
+        ({"tp_size": 0}, "tp_size and dp_size must be >= 1"),
+        ({"dp_padding_mode": "bogus"}, "dp_padding_mode must be one of"),
+    ],
+)
+def test_bad_layouts(model_dirs, kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        Engine(model_path=model_dirs["deepseek_v2"], device="cpu", **kwargs)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_heads_not_divisible(model_dirs, arch):
+    # The tiny models have 4 attention heads: attention TP 8 cannot split them.
+    with pytest.raises(
+        ValueError, match=re.escape("num_attention_heads=4 is not divisible by 8 (tp=8, dp=1")
+    ):
+        Engine(model_path=model_dirs[arch], tp_size=8, device="cpu")
+
+
+def test_intermediate_not_divisible(model_dirs):
+    # tp=6, dp=6: attention TP 1 is fine, but moe_intermediate_size=32 does not split 6 ways.
+    with pytest.raises(ValueError, match=re.escape("intermediate_size=128 is not divisible by tp_size=6")):
+        Engine(
+            model_path=model_dirs["deepseek_v2"], tp_size=6, dp_size=6, enable_dp_attention=True, device="cpu"
+        )
+
+
+@pytest.mark.parametrize(
+    "params,message",
+    [
+        ({"max_new_tokens": 0}, "max_new_tokens must be >= 1"),
+        ({"temperature": -1.0}, "temperature must be >= 0"),
+        ({"top_p": 0.0}, "top_p must be in (0, 1]"),
+        ({"top_k": 0}, "top_k must be -1 or >= 1"),
+        ({"min_p": 2.0}, "min_p must be in [0, 1]"),
+        ({"max_tokens": 3}, "unknown sampling parameter(s): max_tokens"),
+    ],
+)
+def test_bad_sampling_params(params, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        SamplingParams.from_dict(params)
