@@ -82,6 +82,20 @@ class Engine:
             self.shutdown()
             raise
         self.dp_info = [self._ready[g * self.cfg.attn_tp_size] for g in range(self.cfg.dp_size)]
+        per_group = self.dp_info[0]["max_total_num_tokens"]
+        logger.info(
+            "ready: %s tp=%d dp=%d attention TP=%d; KV %d tokens per DP group (%d bytes/token), "
+            "%d for the instance; prefill budget %d tokens per group, %d global",
+            self.model_cfg.arch,
+            self.cfg.tp_size,
+            self.cfg.dp_size,
+            self.cfg.attn_tp_size,
+            per_group,
+            self.dp_info[0]["kv_bytes_per_token"],
+            per_group * self.cfg.dp_size,
+            self.cfg.chunked_prefill_size,
+            self.cfg.chunked_prefill_size * self.cfg.dp_size,
+        )
 
     # --- public API -------------------------------------------------------------------------
 
@@ -215,20 +229,29 @@ class Engine:
         self._send(group, GenerateRequest(rid, input_ids, params, return_logprob))
         return rid
 
+    def _dead_ranks(self) -> list[str]:
+        return [
+            f"worker rank {i} exited with code {p.exitcode}" for i, p in enumerate(self._procs) if p.exitcode
+        ]
+
+    def _fail(self, reported: str) -> None:
+        # A rank killed from outside reports nothing; its peers then fail in a collective.
+        # Name the dead ranks first: they are the cause.
+        cause = "; ".join([*self._dead_ranks(), reported] if reported else self._dead_ranks())
+        self.shutdown()
+        logger.error("shutting down: %s", cause)
+        raise WorkerFailure(cause)
+
     def _receive(self) -> None:
         """Takes one message from the workers; raises WorkerFailure if a rank failed or died."""
         if self._closed:
             raise RuntimeError("the engine is shut down")
         while not self._outputs.poll(POLL_MS):
-            dead = [(i, p.exitcode) for i, p in enumerate(self._procs) if p.exitcode is not None]
-            if dead and not self._outputs.poll(POLL_MS):
-                rank, code = dead[0]
-                self.shutdown()
-                raise WorkerFailure(f"worker rank {rank} exited with code {code}")
+            if self._dead_ranks() and not self._outputs.poll(POLL_MS):
+                self._fail("")
         msg = self._outputs.recv_pyobj()
         if msg["type"] == "error":
-            self.shutdown()
-            raise WorkerFailure(f"worker rank {msg['rank']} failed: {msg['error']}\n{msg['traceback']}")
+            self._fail(f"worker rank {msg['rank']} failed: {msg['error']}\n{msg['traceback']}")
         if msg["type"] == "ready":
             self._ready[msg["rank"]] = msg
         elif msg["type"] == "step_log":
