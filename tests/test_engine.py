@@ -18,9 +18,9 @@ from dpserve.engine.engine import WorkerFailure
 SMALL_POOL = 64  # tokens per DP group: one prompt of up to 40 tokens + 16 new at a time
 
 
-def test_small_pool_queues_and_chunks(engine_cache, model_dirs, prompts, references):
-    """Requests wait (not fail) while the pool is full; prompts prefill in chunks of 8."""
-    engine = engine_cache.get(
+def small_pool_engine(engine_cache, model_dirs) -> Engine:
+    """DeepseekV2 at tp=2, dp=2 with a tiny KV pool and prefill chunks of 8 tokens."""
+    return engine_cache.get(
         model_dirs["deepseek_v2"],
         tp_size=2,
         dp_size=2,
@@ -28,6 +28,11 @@ def test_small_pool_queues_and_chunks(engine_cache, model_dirs, prompts, referen
         max_total_tokens=SMALL_POOL,
         chunked_prefill_size=8,
     )
+
+
+def test_small_pool_queues_and_chunks(engine_cache, model_dirs, prompts, references):
+    """Requests wait (not fail) while the pool is full; prompts prefill in chunks of 8."""
+    engine = small_pool_engine(engine_cache, model_dirs)
     assert [r["max_total_num_tokens"] for r in engine.get_server_info()["dp_ranks"]] == [SMALL_POOL] * 2
     outputs = engine.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True)
     assert_matches_reference(outputs, references["deepseek_v2"])
@@ -41,14 +46,7 @@ def test_small_pool_queues_and_chunks(engine_cache, model_dirs, prompts, referen
 
 
 def test_request_larger_than_pool_is_rejected(engine_cache, model_dirs, prompts, references):
-    engine = engine_cache.get(
-        model_dirs["deepseek_v2"],
-        tp_size=2,
-        dp_size=2,
-        enable_dp_attention=True,
-        max_total_tokens=SMALL_POOL,
-        chunked_prefill_size=8,
-    )
+    engine = small_pool_engine(engine_cache, model_dirs)
     too_big = {"max_new_tokens": 60, "temperature": 0.0}
     message = (
         "the request needs 100 KV tokens (40 prompt + up to 60 new), but its DP group's KV pool holds only 64"
@@ -63,14 +61,7 @@ def test_request_larger_than_pool_is_rejected(engine_cache, model_dirs, prompts,
 
 
 def test_stop_tokens(engine_cache, model_dirs, prompts):
-    engine = engine_cache.get(
-        model_dirs["deepseek_v2"],
-        tp_size=2,
-        dp_size=2,
-        enable_dp_attention=True,
-        max_total_tokens=SMALL_POOL,
-        chunked_prefill_size=8,
-    )
+    engine = small_pool_engine(engine_cache, model_dirs)
     free = engine.generate(input_ids=prompts[0], sampling_params=GREEDY)
     ids = free["output_ids"]
     stop_tok = next(t for i, t in enumerate(ids) if i >= 3 and t not in ids[:i])

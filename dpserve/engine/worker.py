@@ -128,7 +128,7 @@ def _serve(rank: int, cfg: EngineConfig, addrs: WorkerAddresses, ctx: zmq.Contex
         logits = runner.forward(plan, step)
         if scheduler is not None:
             if plan.num_samples:
-                tokens, logprobs = sample(logits, scheduler.params(plan), scheduler.generators(plan))
+                tokens, logprobs = sample(logits, *scheduler.sampling_inputs(plan))
                 for output in scheduler.process_samples(plan, tokens, logprobs):
                     out.send_pyobj({"type": "output", **output})
             step_log.append(

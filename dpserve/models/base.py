@@ -38,10 +38,9 @@ class DecoderLayer(nn.Module):
 class CausalLM(nn.Module):
     """Replicated embedding; LM head vocabulary-parallel over WORLD (vocab padded, never cut)."""
 
-    def __init__(self, cfg: ModelConfig, groups: Groups, layers: list[DecoderLayer]):
+    def __init__(self, cfg: ModelConfig, groups: Groups, comm: DPAttentionComm, layers: list[DecoderLayer]):
         super().__init__()
-        self.cfg, self.groups = cfg, groups
-        self.comm = layers[0].comm if layers else DPAttentionComm(groups)
+        self.cfg, self.groups, self.comm = cfg, groups, comm
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(layers)

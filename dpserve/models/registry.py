@@ -19,4 +19,4 @@ LAYER_BUILDERS = {
 def build_model(cfg: ModelConfig, groups: Groups) -> CausalLM:
     comm = DPAttentionComm(groups)
     pairs = LAYER_BUILDERS[cfg.arch](cfg, groups.topo)
-    return CausalLM(cfg, groups, [DecoderLayer(cfg, attn, mlp, comm) for attn, mlp in pairs])
+    return CausalLM(cfg, groups, comm, [DecoderLayer(cfg, attn, mlp, comm) for attn, mlp in pairs])

@@ -105,17 +105,11 @@ class Scheduler:
             req.kv_len += 1
         return plan
 
-    def generators(self, plan: StepPlan) -> list[torch.Generator]:
+    def sampling_inputs(self, plan: StepPlan) -> tuple[list, list[torch.Generator]]:
+        """Sampling parameters and generators of the plan's requests that sample this step."""
         by_rid = {r.rid: r for r in self.running}
-        return [
-            by_rid[rid].generator or self.generator
-            for rid, s in zip(plan.rids, plan.sample, strict=True)
-            if s
-        ]
-
-    def params(self, plan: StepPlan) -> list:
-        by_rid = {r.rid: r for r in self.running}
-        return [by_rid[rid].params for rid, s in zip(plan.rids, plan.sample, strict=True) if s]
+        reqs = [by_rid[rid] for rid, s in zip(plan.rids, plan.sample, strict=True) if s]
+        return [r.params for r in reqs], [r.generator or self.generator for r in reqs]
 
     def process_samples(self, plan: StepPlan, tokens: list[int], logprobs: list[float]) -> list[dict]:
         """Appends the sampled tokens; returns the outputs of requests that finished."""
