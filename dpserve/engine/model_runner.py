@@ -49,6 +49,14 @@ class ModelRunner:
         self.kv_bytes_per_token = KVPool.bytes_per_token(model_cfg.num_layers, shapes, self.dtype)
         self.max_total_num_tokens = self._kv_capacity()
         self.pool = KVPool(model_cfg.num_layers, self.max_total_num_tokens, shapes, self.dtype, self.device)
+        logger.info(
+            "dp_rank %d attn_tp_rank %d: KV pool of %d tokens x %d bytes (%.1f MiB)",
+            self.topo.dp_rank,
+            self.topo.attn_tp_rank,
+            self.max_total_num_tokens,
+            self.kv_bytes_per_token,
+            self.max_total_num_tokens * self.kv_bytes_per_token / 2**20,
+        )
         self.slots = RequestSlots()
 
     def _kv_capacity(self) -> int:

@@ -141,6 +141,7 @@ def _serve(rank: int, cfg: EngineConfig, addrs: WorkerAddresses, ctx: zmq.Contex
                     seconds=time.perf_counter() - start,
                 )
             )
+    logger.info("shutting down")
     if groups.world is not None:
         torch.distributed.destroy_process_group()
 

@@ -28,9 +28,6 @@ class CheckpointReader:
                     self.file_of.update(dict.fromkeys(h.keys(), f.name))
         self._handles: dict[str, object] = {}
 
-    def __contains__(self, name: str) -> bool:
-        return name in self.file_of
-
     def _slice(self, name: str):
         if name not in self.file_of:
             raise KeyError(f"tensor {name!r} not found in checkpoint {self.dir}")

@@ -39,10 +39,6 @@ class Scheduler:
         self.reserved = 0
         self.to_free: list[str] = []
 
-    @property
-    def num_queued_tokens(self) -> int:
-        return sum(len(r.input_ids) for r in self.waiting)
-
     def add(self, msg: GenerateRequest) -> dict | None:
         """Queues a request; returns an error output if it can never run."""
         try:
