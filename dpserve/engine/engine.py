@@ -237,7 +237,7 @@ class Engine:
     def _fail(self, reported: str) -> None:
         # A rank killed from outside reports nothing; its peers then fail in a collective.
         # Name the dead ranks first: they are the cause.
-        cause = "; ".join([*self._dead_ranks(), reported] if reported else self._dead_ranks())
+        cause = "; ".join(filter(None, [*self._dead_ranks(), reported]))
         self.shutdown()
         logger.error("shutting down: %s", cause)
         raise WorkerFailure(cause)

@@ -103,17 +103,17 @@ class Scheduler:
 
     def sampling_inputs(self, plan: StepPlan) -> tuple[list, list[torch.Generator]]:
         """Sampling parameters and generators of the plan's requests that sample this step."""
-        by_rid = {r.rid: r for r in self.running}
-        reqs = [by_rid[rid] for rid, s in zip(plan.rids, plan.sample, strict=True) if s]
+        reqs = self._sampled(plan)
         return [r.params for r in reqs], [r.generator or self.generator for r in reqs]
+
+    def _sampled(self, plan: StepPlan) -> list[Req]:
+        by_rid = {r.rid: r for r in self.running}
+        return [by_rid[rid] for rid, s in zip(plan.rids, plan.sample, strict=True) if s]
 
     def process_samples(self, plan: StepPlan, tokens: list[int], logprobs: list[float]) -> list[dict]:
         """Appends the sampled tokens; returns the outputs of requests that finished."""
-        by_rid = {r.rid: r for r in self.running}
-        sampled = [rid for rid, s in zip(plan.rids, plan.sample, strict=True) if s]
         finished = []
-        for rid, tok, lp in zip(sampled, tokens, logprobs, strict=True):
-            req = by_rid[rid]
+        for req, tok, lp in zip(self._sampled(plan), tokens, logprobs, strict=True):
             req.output_ids.append(tok)
             req.logprobs.append(lp)
             reason = self._finish_reason(req, tok)
