@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dpserve.distributed import Topology
+
 PADDING_MODES = ("sum_len", "max_len")
 
 
@@ -24,21 +26,31 @@ class EngineConfig:
     dp_padding_mode: str = "sum_len"
     random_seed: int = 0
     dist_init_addr: str | None = None  # host:port of rank 0; a free local port by default
+    nnodes: int = 1  # nodes the ranks are spread over; node 0 runs the front end
+    node_rank: int = 0
     log_level: str = "warning"
 
     def __post_init__(self) -> None:
+        from dpserve.models.gguf import resolve_model_path
+
+        # A GGUF file or the packaged SmolLM2 alias becomes its cached Hugging Face conversion.
+        self.model_path = resolve_model_path(self.model_path)
         tp, dp = self.tp_size, self.dp_size
         if tp < 1 or dp < 1:
             raise ValueError(f"tp_size and dp_size must be >= 1, got tp_size={tp}, dp_size={dp}")
-        if dp > 1 and not self.enable_dp_attention:
-            raise ValueError(
-                f"dp_size={dp} without enable_dp_attention means independent replicas, which "
-                "this engine does not run yet; pass enable_dp_attention=True"
-            )
-        if dp > tp:
+        if self.enable_dp_attention and dp > tp:
             raise ValueError(f"dp_size={dp} must not exceed tp_size={tp} with DP attention")
-        if tp % dp != 0:
+        if self.enable_dp_attention and tp % dp != 0:
             raise ValueError(f"tp_size={tp} must be divisible by dp_size={dp} (attention TP = tp / dp)")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank={self.node_rank} must be in [0, nnodes={self.nnodes})")
+        if self.world_size % self.nnodes != 0:
+            raise ValueError(
+                f"the {self.world_size} ranks (tp={tp} x {self.num_instances} instance(s)) cannot be "
+                f"split evenly over nnodes={self.nnodes}"
+            )
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError("nnodes > 1 needs dist_init_addr=HOST:PORT (node 0's address, reachable by all)")
         if self.dp_padding_mode not in PADDING_MODES:
             raise ValueError(f"dp_padding_mode must be one of {PADDING_MODES}, got {self.dp_padding_mode!r}")
         if self.chunked_prefill_size < 1:
@@ -57,5 +69,25 @@ class EngineConfig:
             raise ValueError(f"dtype must be float32, float16, bfloat16 or auto, got {self.dtype!r}")
 
     @property
+    def num_instances(self) -> int:
+        """DP attention: one instance of dp groups. Otherwise dp independent TP-tp replicas."""
+        return 1 if self.enable_dp_attention else self.dp_size
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.num_instances
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
+
+    @property
     def attn_tp_size(self) -> int:
-        return self.tp_size // self.dp_size
+        """Ranks per DP group: tp / dp with DP attention, tp for a replica."""
+        return self.tp_size // self.dp_size if self.enable_dp_attention else self.tp_size
+
+    def rank_topology(self, rank: int) -> tuple[int, Topology]:
+        """(instance, topology inside the instance) of global rank `rank`."""
+        if self.enable_dp_attention:
+            return 0, Topology(self.tp_size, self.dp_size, rank)
+        return rank // self.tp_size, Topology(self.tp_size, 1, rank % self.tp_size)

@@ -146,12 +146,12 @@ def test_killed_worker_raises(engine_cache, model_dirs):
     engine = Engine(
         model_path=model_dirs["llama"], tp_size=2, dp_size=2, enable_dp_attention=True, device="cpu"
     )
-    engine._procs[1].kill()
+    engine.workers.procs[1].kill()
     start = time.monotonic()
     with pytest.raises(WorkerFailure, match="worker rank 1 exited with code -9"):
         engine.generate(input_ids=[5, 6, 7], sampling_params=GREEDY)
     assert time.monotonic() - start < 60
-    assert all(not p.is_alive() for p in engine._procs)
+    assert all(not p.is_alive() for p in engine.workers.procs)
 
 
 def test_broken_checkpoint_raises(model_dirs, tmp_path):

@@ -21,7 +21,8 @@ def request(rid: str, prompt_len: int, new: int = 10) -> GenerateRequest:
 def step(s: Scheduler, token: int = 7):
     plan = s.schedule()
     s.slots.apply(plan)
-    return plan, s.process_samples(plan, [token] * plan.num_samples, [0.0] * plan.num_samples)
+    _, finished = s.process_samples(plan, [token] * plan.num_samples, [0.0] * plan.num_samples)
+    return plan, finished
 
 
 def test_reservation_queues_and_chunks():

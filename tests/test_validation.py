@@ -19,7 +19,12 @@ from dpserve.sampling_params import SamplingParams
             {"tp_size": 4, "dp_size": 3, "enable_dp_attention": True},
             "tp_size=4 must be divisible by dp_size=3",
         ),
-        ({"tp_size": 2, "dp_size": 2}, "dp_size=2 without enable_dp_attention"),
+        (
+            {"tp_size": 2, "dp_size": 3, "nnodes": 4, "dist_init_addr": "127.0.0.1:5000"},
+            "the 6 ranks (tp=2 x 3 instance(s)) cannot be split evenly over nnodes=4",
+        ),
+        ({"tp_size": 2, "nnodes": 2}, "nnodes > 1 needs dist_init_addr"),
+        ({"nnodes": 2, "node_rank": 2}, "node_rank=2 must be in [0, nnodes=2)"),
         ({"tp_size": 0}, "tp_size and dp_size must be >= 1"),
         ({"dp_padding_mode": "bogus"}, "dp_padding_mode must be one of"),
     ],

@@ -2,38 +2,66 @@
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
-import multiprocessing as mp
-import shutil
-import socket
-import tempfile
 import uuid
-from pathlib import Path
-
-import zmq
 
 from dpserve.config import EngineConfig
-from dpserve.distributed import Topology
-from dpserve.engine.worker import WorkerAddresses, run_worker
+from dpserve.engine.workers import WorkerFailure, WorkerSet
 from dpserve.models.config import ModelConfig
 from dpserve.sampling_params import SamplingParams
 from dpserve.scheduler.request import GenerateRequest, check_request_fits
 
+__all__ = ["Engine", "WorkerFailure"]
+
 logger = logging.getLogger("dpserve")
 
-POLL_MS = 100
+
+def load_model(cfg: EngineConfig) -> ModelConfig:
+    """Reads and checks the model config against the layout, before any process starts."""
+    model_cfg = ModelConfig.load(cfg.model_path)
+    model_cfg.validate(cfg.rank_topology(0)[1])
+    return model_cfg
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def log_ready(cfg: EngineConfig, model_cfg: ModelConfig, dp_info: list[dict]) -> None:
+    per_group = dp_info[0]["max_total_num_tokens"]
+    logger.info(
+        "ready: %s tp=%d dp=%d (%s) attention TP=%d, %d ranks per node on %d node(s); KV %d tokens per "
+        "DP group (%d bytes/token), %d for the instance; prefill budget %d tokens per group, %d global",
+        model_cfg.arch,
+        cfg.tp_size,
+        cfg.dp_size,
+        "DP attention" if cfg.enable_dp_attention else f"{cfg.num_instances} replica(s)",
+        cfg.attn_tp_size,
+        cfg.ranks_per_node,
+        cfg.nnodes,
+        per_group,
+        dp_info[0]["kv_bytes_per_token"],
+        per_group * cfg.dp_size,
+        cfg.chunked_prefill_size,
+        cfg.chunked_prefill_size * cfg.dp_size,
+    )
 
 
-class WorkerFailure(RuntimeError):
-    """A rank died or raised; the engine is shut down."""
+def server_info(cfg: EngineConfig, dp_info: list[dict]) -> dict:
+    return {
+        "tp_size": cfg.tp_size,
+        "dp_size": cfg.dp_size,
+        "attn_tp_size": cfg.attn_tp_size,
+        "enable_dp_attention": cfg.enable_dp_attention,
+        "nnodes": cfg.nnodes,
+        "dp_padding_mode": cfg.dp_padding_mode,
+        "chunked_prefill_size": cfg.chunked_prefill_size,
+        "dp_ranks": [
+            {
+                "dp_rank": g,
+                "max_total_num_tokens": info["max_total_num_tokens"],
+                "kv_bytes_per_token": info["kv_bytes_per_token"],
+            }
+            for g, info in enumerate(dp_info)
+        ],
+    }
 
 
 class Engine:
@@ -44,58 +72,17 @@ class Engine:
     """
 
     def __init__(self, model_path: str | None = None, **kwargs):
-        self._closed = True  # until the workers start
         self.cfg = EngineConfig(model_path=model_path, **kwargs)
-        self.model_cfg = ModelConfig.load(self.cfg.model_path)
-        self.model_cfg.validate(Topology(self.cfg.tp_size, self.cfg.dp_size, 0))
+        if self.cfg.nnodes > 1:
+            raise ValueError("the offline Engine runs on one node; use launch_server for nnodes > 1")
+        self.model_cfg = load_model(self.cfg)
         self.tokenizer = _load_tokenizer(self.cfg.model_path)
-        self._dir = Path(tempfile.mkdtemp(prefix="dpserve-"))
-        self._zmq = zmq.Context()
-        self._outputs = self._zmq.socket(zmq.PULL)
-        self._outputs.bind(f"ipc://{self._dir}/out")
-        self._requests = []
-        for g in range(self.cfg.dp_size):
-            sock = self._zmq.socket(zmq.PUSH)
-            sock.bind(f"ipc://{self._dir}/req{g}")
-            self._requests.append(sock)
-        addrs = WorkerAddresses(
-            dist_init=self.cfg.dist_init_addr or f"127.0.0.1:{free_port()}",
-            requests=[f"ipc://{self._dir}/req{g}" for g in range(self.cfg.dp_size)],
-            outputs=f"ipc://{self._dir}/out",
-        )
-        spawn = mp.get_context("spawn")
-        self._procs = [
-            spawn.Process(target=run_worker, args=(r, self.cfg, addrs), daemon=True, name=f"dpserve-rank{r}")
-            for r in range(self.cfg.tp_size)
-        ]
         self._next_group = itertools.count()
         self._results: dict[str, dict] = {}
         self._step_logs: dict[int, list] = {}
-        for p in self._procs:
-            p.start()
-        self._closed = False
-        self._ready: dict[int, dict] = {}
-        try:
-            while len(self._ready) < self.cfg.tp_size:
-                self._receive()
-        except BaseException:
-            self.shutdown()
-            raise
-        self.dp_info = [self._ready[g * self.cfg.attn_tp_size] for g in range(self.cfg.dp_size)]
-        per_group = self.dp_info[0]["max_total_num_tokens"]
-        logger.info(
-            "ready: %s tp=%d dp=%d attention TP=%d; KV %d tokens per DP group (%d bytes/token), "
-            "%d for the instance; prefill budget %d tokens per group, %d global",
-            self.model_cfg.arch,
-            self.cfg.tp_size,
-            self.cfg.dp_size,
-            self.cfg.attn_tp_size,
-            per_group,
-            self.dp_info[0]["kv_bytes_per_token"],
-            per_group * self.cfg.dp_size,
-            self.cfg.chunked_prefill_size,
-            self.cfg.chunked_prefill_size * self.cfg.dp_size,
-        )
+        self.workers = WorkerSet(self.cfg)
+        self.dp_info = self.workers.dp_info
+        log_ready(self.cfg, self.model_cfg, self.dp_info)
 
     # --- public API -------------------------------------------------------------------------
 
@@ -164,44 +151,20 @@ class Engine:
         return {"text": text, "output_ids": o["output_ids"], "meta_info": meta}
 
     def get_server_info(self) -> dict:
-        return {
-            "tp_size": self.cfg.tp_size,
-            "dp_size": self.cfg.dp_size,
-            "attn_tp_size": self.cfg.attn_tp_size,
-            "dp_ranks": [
-                {
-                    "dp_rank": g,
-                    "max_total_num_tokens": info["max_total_num_tokens"],
-                    "kv_bytes_per_token": info["kv_bytes_per_token"],
-                }
-                for g, info in enumerate(self.dp_info)
-            ],
-        }
+        return server_info(self.cfg, self.dp_info)
 
     def get_step_log(self) -> list[list]:
         """Per DP group, the StepRecords of the steps run since the last call (then cleared)."""
-        for sock in self._requests:
-            sock.send_pyobj({"type": "get_step_log"})
+        for g in range(self.cfg.dp_size):
+            self.workers.send(g, {"type": "get_step_log"})
         while len(self._step_logs) < self.cfg.dp_size:
             self._receive()
         logs, self._step_logs = self._step_logs, {}
         return [logs[g] for g in range(self.cfg.dp_size)]
 
     def shutdown(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        for sock in self._requests:
-            with contextlib.suppress(zmq.Again):  # a leader that is gone is killed below
-                sock.send_pyobj({"type": "shutdown"}, flags=zmq.NOBLOCK)
-        for p in self._procs:
-            p.join(timeout=10)
-        for p in self._procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-        self._zmq.destroy(linger=0)
-        shutil.rmtree(self._dir, ignore_errors=True)
+        if hasattr(self, "workers"):
+            self.workers.shutdown()
 
     def __enter__(self) -> Engine:
         return self
@@ -210,15 +173,9 @@ class Engine:
         self.shutdown()
 
     def __del__(self) -> None:
-        if not getattr(self, "_closed", True):
-            self.shutdown()
+        self.shutdown()
 
     # --- internals --------------------------------------------------------------------------
-
-    def _send(self, group: int, msg: object) -> None:
-        if self._closed:
-            raise RuntimeError("the engine is shut down")
-        self._requests[group].send_pyobj(msg)
 
     def _check_fits(self, input_ids: list[int], params: SamplingParams, group: int) -> None:
         capacity = self.dp_info[group]["max_total_num_tokens"]
@@ -226,38 +183,16 @@ class Engine:
 
     def _submit(self, input_ids: list[int], params: SamplingParams, return_logprob: bool, group: int) -> str:
         rid = uuid.uuid4().hex
-        self._send(group, GenerateRequest(rid, input_ids, params, return_logprob))
+        self.workers.send(group, GenerateRequest(rid, input_ids, params, return_logprob))
         return rid
-
-    def _dead_ranks(self) -> list[str]:
-        return [
-            f"worker rank {i} exited with code {p.exitcode}" for i, p in enumerate(self._procs) if p.exitcode
-        ]
-
-    def _fail(self, reported: str) -> None:
-        # A rank killed from outside reports nothing; its peers then fail in a collective.
-        # Name the dead ranks first: they are the cause.
-        cause = "; ".join(filter(None, [*self._dead_ranks(), reported]))
-        self.shutdown()
-        logger.error("shutting down: %s", cause)
-        raise WorkerFailure(cause)
 
     def _receive(self) -> None:
         """Takes one message from the workers; raises WorkerFailure if a rank failed or died."""
-        if self._closed:
-            raise RuntimeError("the engine is shut down")
-        while not self._outputs.poll(POLL_MS):
-            if self._dead_ranks() and not self._outputs.poll(POLL_MS):
-                self._fail("")
-        msg = self._outputs.recv_pyobj()
-        if msg["type"] == "error":
-            self._fail(f"worker rank {msg['rank']} failed: {msg['error']}\n{msg['traceback']}")
-        if msg["type"] == "ready":
-            self._ready[msg["rank"]] = msg
-        elif msg["type"] == "step_log":
+        msg = self.workers.recv()
+        if msg["type"] == "step_log":
             self._step_logs[msg["dp_rank"]] = msg["steps"]
-        else:
-            self._results[msg["rid"]] = msg
+        elif msg["type"] == "step":
+            self._results.update((o["rid"], o) for o in msg["finished"])
 
 
 def _load_tokenizer(model_path: str):

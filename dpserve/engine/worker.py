@@ -10,8 +10,11 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
+import signal
+import sys
 import time
 import traceback
 from collections import deque
@@ -21,7 +24,7 @@ import torch
 import zmq
 
 from dpserve.config import EngineConfig
-from dpserve.distributed import Topology, all_gather_ints, broadcast_object, init_groups
+from dpserve.distributed import all_gather_ints, broadcast_object, init_groups
 from dpserve.engine.model_runner import ModelRunner
 from dpserve.engine.sampler import sample
 from dpserve.models.config import ModelConfig
@@ -51,14 +54,15 @@ class StepRecord:
 
 @dataclass(frozen=True)
 class WorkerAddresses:
-    dist_init: str  # host:port for torch.distributed
+    dist_init: list[str]  # host:port for torch.distributed, per instance
     requests: list[str]  # ZMQ address per DP group (front end -> group leader)
     outputs: str  # ZMQ address of the front end's collector (every rank -> front end)
 
 
 def run_worker(rank: int, cfg: EngineConfig, addrs: WorkerAddresses) -> None:
-    """Process entry point for one rank; reports failures to the front end before exiting."""
+    """Process entry point for global rank `rank`; reports failures to the front end before exiting."""
     logging.basicConfig(level=cfg.log_level.upper(), format=f"[rank {rank}] %(levelname)s %(message)s")
+    _leave_signals_to_front_end()
     if cfg.device == "cpu":
         torch.set_num_threads(1)
     ctx = zmq.Context()
@@ -75,17 +79,29 @@ def run_worker(rank: int, cfg: EngineConfig, addrs: WorkerAddresses) -> None:
     out.close(linger=2000)
 
 
+def _leave_signals_to_front_end() -> None:
+    """Ctrl-C or a SIGTERM sent to the whole process group must reach the front end only, which
+    then stops every rank in order; a rank dies with its parent so it is never left orphaned."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if sys.platform == "linux":
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 def _serve(rank: int, cfg: EngineConfig, addrs: WorkerAddresses, ctx: zmq.Context, out: zmq.Socket) -> None:
-    topo = Topology(cfg.tp_size, cfg.dp_size, rank)
+    instance, topo = cfg.rank_topology(rank)
+    dp_rank = rank // cfg.attn_tp_size  # global DP rank: a group of DP attention or a replica
     model_cfg = ModelConfig.load(cfg.model_path)
     model_cfg.validate(topo)
-    groups = init_groups(topo, cfg.device, addrs.dist_init)
-    runner = ModelRunner(cfg, model_cfg, groups, local_rank=rank % max(torch.cuda.device_count(), 1))
+    groups = init_groups(topo, cfg.device, addrs.dist_init[instance])
+    device_count = torch.cuda.device_count() if cfg.device == "cuda" else 1
+    runner = ModelRunner(cfg, model_cfg, groups, local_rank=rank % cfg.ranks_per_node % device_count)
     leader_rank = topo.dp_rank * topo.attn_tp_size
     scheduler = requests = None
     if topo.is_group_leader:
         scheduler = Scheduler(
-            topo.dp_rank,
+            dp_rank,
             runner.max_total_num_tokens,
             cfg.max_running_requests,
             cfg.chunked_prefill_size,
@@ -95,12 +111,12 @@ def _serve(rank: int, cfg: EngineConfig, addrs: WorkerAddresses, ctx: zmq.Contex
             runner.slots,
         )
         requests = ctx.socket(zmq.PULL)
-        requests.connect(addrs.requests[topo.dp_rank])
+        requests.connect(addrs.requests[dp_rank])
     out.send_pyobj(
         {
             "type": "ready",
             "rank": rank,
-            "dp_rank": topo.dp_rank,
+            "dp_rank": dp_rank,
             "max_total_num_tokens": runner.max_total_num_tokens,
             "kv_bytes_per_token": runner.kv_bytes_per_token,
         }
@@ -108,10 +124,14 @@ def _serve(rank: int, cfg: EngineConfig, addrs: WorkerAddresses, ctx: zmq.Contex
     idle = True
     shutdown = False
     step_log: deque[StepRecord] = deque(maxlen=STEP_LOG_LEN)
+    steps = {"eager": 0, "graph": 0}
     while True:
         plan = None
         if scheduler is not None:
-            shutdown |= _drain(requests, scheduler, out, step_log, wait_ms=IDLE_POLL_MS if idle else 0)
+            report = StepReport(dp_rank)
+            shutdown |= _drain(
+                requests, scheduler, out, report, step_log, wait_ms=IDLE_POLL_MS if idle else 0
+            )
             plan = scheduler.schedule()
             plan.shutdown = shutdown
         plan: StepPlan = broadcast_object(plan, leader_rank, groups.attn_tp_cpu)
@@ -121,16 +141,17 @@ def _serve(rank: int, cfg: EngineConfig, addrs: WorkerAddresses, ctx: zmq.Contex
         if meta[:, 3].any():
             break
         idle = not meta[:, 0].any()
-        if idle:
+        if not idle:
+            start = time.perf_counter()
+            step = runner.make_step(meta[:, 0].tolist(), meta[:, 1].tolist())
+            logits = runner.forward(plan, step)
+        if scheduler is None:
             continue
-        start = time.perf_counter()
-        step = runner.make_step(meta[:, 0].tolist(), meta[:, 1].tolist())
-        logits = runner.forward(plan, step)
-        if scheduler is not None:
+        if not idle:
             if plan.num_samples:
                 tokens, logprobs = sample(logits, *scheduler.sampling_inputs(plan))
-                for output in scheduler.process_samples(plan, tokens, logprobs):
-                    out.send_pyobj({"type": "output", **output})
+                report.add(*scheduler.process_samples(plan, tokens, logprobs))
+            steps["eager"] += 1
             step_log.append(
                 StepRecord(
                     kind=MODES[int(meta[:, 2].max())],
@@ -141,27 +162,58 @@ def _serve(rank: int, cfg: EngineConfig, addrs: WorkerAddresses, ctx: zmq.Contex
                     seconds=time.perf_counter() - start,
                 )
             )
+        if report.changed or plan.rids:
+            out.send_pyobj(report.message(scheduler.stats(), steps))
     logger.info("shutting down")
     if groups.world is not None:
         torch.distributed.destroy_process_group()
 
 
+class StepReport:
+    """What a group leader tells the front end after a step: new tokens (for streaming), finished
+    requests, and its load (for routing and /metrics). One message per step that changed anything."""
+
+    def __init__(self, dp_rank: int):
+        self.dp_rank = dp_rank
+        self.tokens: list[tuple[str, int, float]] = []  # (rid, token, logprob)
+        self.finished: list[dict] = []
+        self.changed = False
+
+    def add(self, tokens: list[tuple[str, int, float]], finished: list[dict]) -> None:
+        self.tokens += tokens
+        self.finished += finished
+        self.changed = True
+
+    def message(self, stats: dict, steps: dict) -> dict:
+        return {
+            "type": "step",
+            "dp_rank": self.dp_rank,
+            "tokens": self.tokens,
+            "finished": self.finished,
+            "stats": {**stats, "steps_eager": steps["eager"], "steps_graph": steps["graph"]},
+        }
+
+
 def _drain(
-    sock: zmq.Socket, scheduler: Scheduler, out: zmq.Socket, step_log: deque[StepRecord], wait_ms: int
+    sock: zmq.Socket,
+    scheduler: Scheduler,
+    out: zmq.Socket,
+    report: StepReport,
+    step_log: deque[StepRecord],
+    wait_ms: int,
 ) -> bool:
     """Takes every pending message; returns True when asked to shut down."""
     shutdown = False
     while sock.poll(wait_ms):
         wait_ms = 0
         msg = sock.recv_pyobj()
+        report.changed = True
         if isinstance(msg, GenerateRequest):
             error = scheduler.add(msg)
-            if error is not None:
-                out.send_pyobj({"type": "output", **error})
+            report.add([], [error] if error else [])
         elif msg["type"] == "abort":
             result = scheduler.abort(msg["rid"])
-            if result is not None:
-                out.send_pyobj({"type": "output", **result})
+            report.add([], [result] if result else [])
         elif msg["type"] == "get_step_log":
             out.send_pyobj({"type": "step_log", "dp_rank": scheduler.dp_rank, "steps": list(step_log)})
             step_log.clear()

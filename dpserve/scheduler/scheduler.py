@@ -38,6 +38,8 @@ class Scheduler:
         self.running: list[Req] = []
         self.reserved = 0
         self.to_free: list[str] = []
+        self.generated_tokens = 0  # since start, for /metrics
+        self.prefilled_tokens = 0
 
     def add(self, msg: GenerateRequest) -> dict | None:
         """Queues a request; returns an error output if it can never run."""
@@ -89,6 +91,7 @@ class Scheduler:
         plan.new_slots.append(self.allocator.alloc(n))
         req.kv_len += n
         plan.sample.append(req.prefill_done)
+        self.prefilled_tokens += n
         return n
 
     def _schedule_decode(self) -> StepPlan:
@@ -110,16 +113,33 @@ class Scheduler:
         by_rid = {r.rid: r for r in self.running}
         return [by_rid[rid] for rid, s in zip(plan.rids, plan.sample, strict=True) if s]
 
-    def process_samples(self, plan: StepPlan, tokens: list[int], logprobs: list[float]) -> list[dict]:
-        """Appends the sampled tokens; returns the outputs of requests that finished."""
-        finished = []
+    def process_samples(
+        self, plan: StepPlan, tokens: list[int], logprobs: list[float]
+    ) -> tuple[list[tuple[str, int, float]], list[dict]]:
+        """Appends the sampled tokens; returns them as (rid, token, logprob) and the outputs of the
+        requests that finished."""
+        new, finished = [], []
         for req, tok, lp in zip(self._sampled(plan), tokens, logprobs, strict=True):
             req.output_ids.append(tok)
             req.logprobs.append(lp)
+            new.append((req.rid, tok, lp))
             reason = self._finish_reason(req, tok)
             if reason is not None:
                 finished.append(self._finish(req, reason))
-        return finished
+        self.generated_tokens += len(new)
+        return new, finished
+
+    def stats(self) -> dict:
+        """Load figures of this DP group, for routing and /metrics."""
+        return {
+            "running": len(self.running),
+            "queued": len(self.waiting),
+            "kv_used": self.kv_capacity - self.allocator.num_free,
+            "kv_free": self.allocator.num_free,
+            "kv_reserved": self.reserved,
+            "generated_tokens": self.generated_tokens,
+            "prefilled_tokens": self.prefilled_tokens,
+        }
 
     def _finish_reason(self, req: Req, tok: int) -> dict | None:
         p = req.params

@@ -1,0 +1,199 @@
+"""The worker processes of one node and the ZMQ sockets between the front end and the group leaders.
+
+Node 0 binds the sockets (ipc on one node, tcp next to `dist_init_addr` across nodes), starts its
+share of the ranks and waits until every rank of every node reports ready. Other nodes only start
+their ranks (`run_node`) and wait for them to exit.
+
+Ports with --dist-init-addr HOST:P: torch.distributed of instance i uses P + i; the front end's
+output collector P + instances; DP group g's request socket P + instances + 1 + g.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing as mp
+import shutil
+import signal
+import socket
+import tempfile
+from pathlib import Path
+
+import zmq
+
+from dpserve.config import EngineConfig
+from dpserve.engine.worker import WorkerAddresses, run_worker
+
+logger = logging.getLogger("dpserve")
+
+POLL_MS = 100
+
+
+class WorkerFailure(RuntimeError):
+    """A rank died or raised; the workers are shut down."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker_addresses(cfg: EngineConfig, ipc_dir: Path | None) -> tuple[WorkerAddresses, WorkerAddresses]:
+    """(addresses node 0 binds, addresses the workers connect to)."""
+    n = cfg.num_instances
+    if cfg.nnodes == 1:
+        host, port = _split(cfg.dist_init_addr) if cfg.dist_init_addr else ("127.0.0.1", None)
+        dist = [f"{host}:{port + i if port else free_port()}" for i in range(n)]
+        addrs = WorkerAddresses(
+            dist_init=dist,
+            requests=[f"ipc://{ipc_dir}/req{g}" for g in range(cfg.dp_size)],
+            outputs=f"ipc://{ipc_dir}/out",
+        )
+        return addrs, addrs
+    host, port = _split(cfg.dist_init_addr)
+
+    def tcp(h: str, p: int) -> str:
+        return f"tcp://{h}:{p}"
+
+    def at(h: str) -> WorkerAddresses:
+        return WorkerAddresses(
+            dist_init=[f"{host}:{port + i}" for i in range(n)],
+            requests=[tcp(h, port + n + 1 + g) for g in range(cfg.dp_size)],
+            outputs=tcp(h, port + n),
+        )
+
+    return at("*"), at(host)
+
+
+def _split(addr: str) -> tuple[str, int]:
+    host, _, port = addr.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"dist_init_addr must be HOST:PORT, got {addr!r}")
+    return host, int(port)
+
+
+def start_ranks(cfg: EngineConfig, addrs: WorkerAddresses) -> list[mp.Process]:
+    """Starts this node's ranks (global ranks node_rank * ranks_per_node ...)."""
+    first = cfg.node_rank * cfg.ranks_per_node
+    spawn = mp.get_context("spawn")
+    procs = [
+        spawn.Process(target=run_worker, args=(r, cfg, addrs), daemon=True, name=f"dpserve-rank{r}")
+        for r in range(first, first + cfg.ranks_per_node)
+    ]
+    for p in procs:
+        p.start()
+    return procs
+
+
+def stop_ranks(procs: list[mp.Process], timeout: float = 10) -> None:
+    for p in procs:
+        p.join(timeout=timeout)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+class WorkerSet:
+    """Node 0's view of the workers: per DP group a request socket, one output collector."""
+
+    def __init__(self, cfg: EngineConfig):
+        self.cfg = cfg
+        self.closed = True
+        self._dir = Path(tempfile.mkdtemp(prefix="dpserve-"))
+        bind, connect = worker_addresses(cfg, self._dir)
+        self._zmq = zmq.Context()
+        self._outputs = self._zmq.socket(zmq.PULL)
+        self._outputs.bind(bind.outputs)
+        self._requests = []
+        for addr in bind.requests:
+            sock = self._zmq.socket(zmq.PUSH)
+            sock.bind(addr)
+            self._requests.append(sock)
+        self.procs = start_ranks(cfg, connect)
+        self.closed = False
+        ready: dict[int, dict] = {}
+        try:
+            while len(ready) < cfg.world_size:
+                msg = self.recv()
+                if msg is not None:
+                    ready[msg["rank"]] = msg
+        except BaseException:
+            self.shutdown()
+            raise
+        # One entry per DP group, from its leader.
+        self.dp_info = [ready[g * cfg.attn_tp_size] for g in range(cfg.dp_size)]
+
+    def send(self, dp_rank: int, msg: object) -> None:
+        if self.closed:
+            raise RuntimeError("the engine is shut down")
+        self._requests[dp_rank].send_pyobj(msg)
+
+    def recv(self, timeout_ms: int | None = None) -> dict | None:
+        """The next message from a worker, or None after `timeout_ms` (None: wait for one).
+        Raises WorkerFailure when a rank reported an error or a local rank died."""
+        if self.closed:
+            raise RuntimeError("the engine is shut down")
+        waited = 0
+        while not self._outputs.poll(POLL_MS):
+            waited += POLL_MS
+            if self.dead_ranks() and not self._outputs.poll(POLL_MS):
+                self._fail("")
+            if timeout_ms is not None and waited >= timeout_ms:
+                return None
+        msg = self._outputs.recv_pyobj()
+        if msg["type"] == "error":
+            self._fail(f"worker rank {msg['rank']} failed: {msg['error']}\n{msg['traceback']}")
+        return msg
+
+    def dead_ranks(self) -> list[str]:
+        return [
+            f"worker rank {p.name.removeprefix('dpserve-rank')} exited with code {p.exitcode}"
+            for p in self.procs
+            if p.exitcode
+        ]
+
+    def shutdown(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for sock in self._requests:
+            with contextlib.suppress(zmq.Again):  # a leader that is gone is killed below
+                sock.send_pyobj({"type": "shutdown"}, flags=zmq.NOBLOCK)
+        stop_ranks(self.procs)
+        self._zmq.destroy(linger=0)
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def _fail(self, reported: str) -> None:
+        # A rank killed from outside reports nothing; its peers then fail in a collective.
+        # Name the dead ranks first: they are the cause.
+        cause = "; ".join(filter(None, [*self.dead_ranks(), reported]))
+        self.shutdown()
+        logger.error("shutting down: %s", cause)
+        raise WorkerFailure(cause)
+
+
+def run_node(cfg: EngineConfig) -> int:
+    """A node other than 0: runs its ranks until they exit. Returns the exit code (0: clean)."""
+    _, connect = worker_addresses(cfg, None)
+    procs = start_ranks(cfg, connect)
+    logger.info(
+        "node %d/%d: started ranks %s, front end at %s",
+        cfg.node_rank,
+        cfg.nnodes,
+        [p.name for p in procs],
+        connect.outputs,
+    )
+
+    def terminate(signum, frame) -> None:
+        for p in procs:
+            p.terminate()
+
+    signal.signal(signal.SIGTERM, terminate)
+    stop_ranks(procs, timeout=None)
+    codes = [p.exitcode for p in procs]
+    if any(codes):
+        logger.error("node %d: ranks exited with codes %s", cfg.node_rank, codes)
+        return 1
+    return 0
