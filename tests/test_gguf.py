@@ -194,3 +194,16 @@ def test_non_llama_gguf_is_rejected(tmp_path, gguf_cache):
     # The failed conversion leaves no directory behind in the cache.
     assert [p.name for p in gguf_cache.iterdir() if p.is_dir() and p.name.startswith("tiny-gpt2")] == []
     assert not any(p.name.startswith(".tiny-gpt2") and p.is_dir() for p in gguf_cache.iterdir())
+
+
+def test_readme_command_serves_smollm2_and_answers_paris(smol_dir, engine_cache):
+    """The README's first command: SmolLM2 served at tp=2, dp=2 with DP attention, asked in chat."""
+    engine_cache.close()  # free the cores for the server's ranks
+    example = Path(__file__).parent.parent / "examples" / "serve_and_chat.py"
+    result = subprocess.run(
+        [sys.executable, str(example), "--tp", "2", "--dp", "2"], capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    answer = next(line for line in result.stdout.splitlines() if line.startswith("A: "))
+    assert "Paris" in answer
+    assert "server exited with code 0" in result.stdout

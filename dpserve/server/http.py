@@ -1,0 +1,182 @@
+"""The FastAPI app: native /generate, the OpenAI API, health, server info and Prometheus metrics.
+
+Every caller mistake is a JSON error {"error": {"message", "type", "code"}} with a 4xx status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from dpserve.sampling_params import SamplingParams
+from dpserve.server.metrics import render_metrics
+from dpserve.server.openai_api import OpenAIServing
+from dpserve.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequestBody
+from dpserve.server.streams import ClientDisconnected, collect, merge, sse
+from dpserve.server.tokenizer_manager import Chunk, RequestError, Submission, TokenizerManager
+
+logger = logging.getLogger("dpserve.server")
+
+ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 503: "service_unavailable"}
+
+
+def error_response(status: int, message: str) -> JSONResponse:
+    kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "internal_error")
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(x) for x in err["loc"] if x != "body")
+        if err["type"] == "model_attributes_type" and not loc:
+            parts.append("the body must be a JSON object (and sent with Content-Type: application/json)")
+        elif err["type"] == "json_invalid":
+            parts.append(f"the body is not valid JSON: {err.get('ctx', {}).get('error', err['msg'])}")
+        else:
+            parts.append(f"{loc}: {err['msg']}" if loc else err["msg"])
+    return "; ".join(parts)
+
+
+def create_app(tm: TokenizerManager, model_name: str) -> FastAPI:
+    openai = OpenAIServing(tm, model_name)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        tm.start()
+        yield
+        tm.abort_all("the server is shutting down")
+
+    app = FastAPI(title="dpserve", lifespan=lifespan)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        return error_response(400, _validation_message(exc))
+
+    @app.exception_handler(RequestError)
+    async def _request_error(request: Request, exc: RequestError):
+        return error_response(exc.status, str(exc))
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(request: Request, exc: ClientDisconnected):
+        return error_response(499, "the client disconnected")
+
+    @app.get("/health")
+    async def health():
+        if tm.failure is not None:
+            return error_response(503, f"a worker failed: {tm.failure}")
+        return PlainTextResponse("ok")
+
+    @app.get("/get_server_info")
+    async def get_server_info():
+        pids = {p.name.removeprefix("dpserve-rank"): p.pid for p in tm.workers.procs}
+        return {
+            **tm.info,
+            "model_path": tm.cfg.model_path,
+            "served_model_name": model_name,
+            "worker_pids": pids,  # this node's ranks
+            **tm.metrics(),
+        }
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(render_metrics(tm.metrics()), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models():
+        return openai.models()
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await openai.completions(body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await openai.chat(body, request)
+
+    @app.post("/generate")
+    async def generate(body: GenerateRequestBody, request: Request):
+        return await native_generate(tm, body, request)
+
+    return app
+
+
+def _native_params(d: dict | None) -> tuple[SamplingParams, list[str]]:
+    d = dict(d or {})
+    stop = d.pop("stop", None) or []
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise RequestError("sampling_params.stop must be a string or a list of strings")
+    try:
+        return SamplingParams.from_dict(d), stop
+    except (TypeError, ValueError) as e:
+        raise RequestError(f"sampling_params: {e}") from None
+
+
+async def native_generate(tm: TokenizerManager, body: GenerateRequestBody, request: Request):
+    """SGLang's /generate: one dict per prompt, {"text", "output_ids", "meta_info"}."""
+    single = isinstance(body.text, str) or (bool(body.input_ids) and isinstance(body.input_ids[0], int))
+    if body.text is not None:
+        texts = [body.text] if single else body.text
+        prompts = [await asyncio.to_thread(tm.tokenize, t) for t in texts]
+    else:
+        prompts = [body.input_ids] if single else body.input_ids
+    if isinstance(body.sampling_params, list) and len(body.sampling_params) != len(prompts):
+        raise RequestError(f"{len(body.sampling_params)} sampling_params for {len(prompts)} prompts")
+    per_prompt = (
+        body.sampling_params
+        if isinstance(body.sampling_params, list)
+        else [body.sampling_params] * len(prompts)
+    )
+    subs = []
+    for ids, raw in zip(prompts, per_prompt, strict=True):
+        params, stop = _native_params(raw)
+        subs.append(Submission(list(ids), params, stop, body.return_logprob, body.data_parallel_rank))
+    for sub in subs:
+        tm.check(sub)
+    streams = [tm.generate(s) for s in subs]
+    if body.stream:
+        if not single:
+            raise RequestError("stream=true takes a single prompt")
+        return StreamingResponse(
+            _native_stream(streams[0], body.return_logprob), media_type="text/event-stream"
+        )
+    results = await collect(request, streams)
+    outs = [_native_output(chunks, body.return_logprob) for chunks in results]
+    aborted = [o for o in outs if o["meta_info"]["finish_reason"]["type"] == "abort"]
+    if aborted:
+        raise RequestError(
+            f"the request was aborted: {aborted[0]['meta_info']['finish_reason']['message']}", 503
+        )
+    return outs[0] if single else outs
+
+
+def _native_output(chunks: list[Chunk], with_logprobs: bool) -> dict:
+    last = chunks[-1]
+    meta = {
+        "prompt_tokens": last.prompt_tokens,
+        "completion_tokens": last.completion_tokens,
+        "finish_reason": last.finish_reason,
+        "dp_rank": last.dp_rank,
+    }
+    if with_logprobs:
+        meta["output_token_logprobs"] = [lp for c in chunks for lp in c.logprobs]
+    return {
+        "text": "".join(c.text for c in chunks),
+        "output_ids": [t for c in chunks for t in c.token_ids],
+        "meta_info": meta,
+    }
+
+
+async def _native_stream(stream, with_logprobs: bool):
+    # As SGLang does, every event carries the whole text so far.
+    seen: list[Chunk] = []
+    async for _, chunk in merge([stream]):
+        seen.append(chunk)
+        yield sse(_native_output(seen, with_logprobs))
+    yield sse("[DONE]")

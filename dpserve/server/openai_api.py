@@ -1,0 +1,172 @@
+"""/v1/completions and /v1/chat/completions: OpenAI's request and response shapes."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from dpserve.server.protocol import ChatCompletionRequest, CompletionRequest, _OpenAIRequest
+from dpserve.server.streams import collect, merge, sse
+from dpserve.server.tokenizer_manager import Chunk, RequestError, Submission, TokenizerManager
+
+FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+def finish_reason(chunk: Chunk) -> str | None:
+    return None if chunk.finish_reason is None else FINISH_REASONS[chunk.finish_reason["type"]]
+
+
+class OpenAIServing:
+    def __init__(self, tm: TokenizerManager, model_name: str):
+        self.tm = tm
+        self.model_name = model_name
+
+    def check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise RequestError(
+                f"The model `{name}` does not exist; this server serves `{self.model_name}`", 404
+            )
+
+    def models(self) -> dict:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": self.model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "dpserve",
+                    "max_model_len": self.tm.model_cfg.context_len,
+                }
+            ],
+        }
+
+    def _submissions(
+        self, req: _OpenAIRequest, prompts: list[list[int]], max_tokens: int | None, logprobs: bool
+    ):
+        subs = []
+        for ids in prompts:
+            max_new = max_tokens if max_tokens is not None else self.tm.default_max_tokens(len(ids))
+            for j in range(req.n):
+                subs.append(
+                    Submission(
+                        ids,
+                        req.sampling_params(max_new, j),
+                        req.stop_strings,
+                        logprobs,
+                        req.data_parallel_rank,
+                    )
+                )
+        for sub in subs:
+            self.tm.check(sub)
+        return subs
+
+    async def completions(self, req: CompletionRequest, request: Request):
+        self.check_model(req.model)
+        prompt = req.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            prompt = [prompt]
+        if not prompt:
+            raise RequestError("prompt is empty")
+        ids = [p if isinstance(p, list) else await asyncio.to_thread(self.tm.tokenize, p) for p in prompt]
+        subs = self._submissions(req, ids, req.max_tokens, req.logprobs is not None)
+        return await self._respond(req, request, subs, "text_completion", self._completion_choice)
+
+    async def chat(self, req: ChatCompletionRequest, request: Request):
+        self.check_model(req.model)
+        messages = [m.as_template_input() for m in req.messages]
+        ids = await asyncio.to_thread(self.tm.chat_prompt, messages)
+        subs = self._submissions(req, [ids], req.max_new_tokens, req.logprobs)
+        return await self._respond(req, request, subs, "chat.completion", self._chat_choice)
+
+    async def _respond(
+        self, req: _OpenAIRequest, request: Request, subs: list[Submission], kind: str, choice
+    ):
+        rid = f"{'chatcmpl' if kind.startswith('chat') else 'cmpl'}-{uuid.uuid4().hex}"
+        created = int(time.time())
+        streams = [self.tm.generate(s) for s in subs]
+        head = {"id": rid, "created": created, "model": self.model_name}
+        # Each prompt's tokens count once, whatever n is.
+        prompt_tokens = sum(len(s.input_ids) for s in subs[:: req.n])
+        if req.stream:
+            return StreamingResponse(
+                self._stream(req, subs, streams, head, kind, choice, prompt_tokens),
+                media_type="text/event-stream",
+            )
+        results = await collect(request, streams)
+        choices = [choice(i, chunks, subs[i].return_logprob, final=True) for i, chunks in enumerate(results)]
+        completion_tokens = sum(chunks[-1].completion_tokens for chunks in results)
+        if any(c["finish_reason"] == "abort" for c in choices):
+            message = results[0][-1].finish_reason.get("message", "aborted")
+            raise RequestError(f"the request was aborted: {message}", 503)
+        return JSONResponse(
+            {**head, "object": kind, "choices": choices, "usage": _usage(prompt_tokens, completion_tokens)}
+        )
+
+    async def _stream(self, req, subs, streams, head, kind, choice, prompt_tokens) -> AsyncIterator[str]:
+        completion_tokens = [0] * len(streams)
+        first = [True] * len(streams)
+        obj = "chat.completion.chunk" if kind.startswith("chat") else kind
+        async for i, chunk in merge(streams):
+            completion_tokens[i] = chunk.completion_tokens
+            if not (chunk.text or chunk.token_ids or chunk.finish_reason or first[i]):
+                continue
+            body = choice(i, [chunk], subs[i].return_logprob, final=False, first=first[i])
+            first[i] = False
+            yield sse({**head, "object": obj, "choices": [body], "usage": None})
+        if req.include_usage:
+            yield sse(
+                {**head, "object": obj, "choices": [], "usage": _usage(prompt_tokens, sum(completion_tokens))}
+            )
+        yield sse("[DONE]")
+
+    def _token_logprobs(self, chunks: list[Chunk]) -> tuple[list[str], list[float]]:
+        ids = [t for c in chunks for t in c.token_ids]
+        return [self.tm.tokenizer.decode([t]) for t in ids], [lp for c in chunks for lp in c.logprobs]
+
+    def _completion_choice(
+        self, index: int, chunks: list[Chunk], with_logprobs: bool, final: bool, first: bool = False
+    ) -> dict:
+        logprobs = None
+        if with_logprobs:
+            tokens, lps = self._token_logprobs(chunks)
+            logprobs = {"tokens": tokens, "token_logprobs": lps, "top_logprobs": None, "text_offset": None}
+        return {
+            "index": index,
+            "text": "".join(c.text for c in chunks),
+            "logprobs": logprobs,
+            "finish_reason": finish_reason(chunks[-1]),
+        }
+
+    def _chat_choice(
+        self, index: int, chunks: list[Chunk], with_logprobs: bool, final: bool, first: bool = False
+    ) -> dict:
+        logprobs = None
+        if with_logprobs:
+            tokens, lps = self._token_logprobs(chunks)
+            logprobs = {
+                "content": [
+                    {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+                    for t, lp in zip(tokens, lps, strict=True)
+                ]
+            }
+        text = "".join(c.text for c in chunks)
+        out = {"index": index, "logprobs": logprobs, "finish_reason": finish_reason(chunks[-1])}
+        if final:
+            out["message"] = {"role": "assistant", "content": text}
+        else:
+            out["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
+        return out
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }

@@ -1,0 +1,278 @@
+"""The HTTP server as users run it: a real `launch_server` process (tiny DeepseekV2, tp=2, dp=2 with
+DP attention), real sockets, the official `openai` client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+from openai import AsyncOpenAI, OpenAI
+from transformers import AutoTokenizer
+
+from dpserve.testing.server import ServerProcess
+
+POOL = 256  # KV tokens per DP group: small enough to test the pool limit, large enough for 32 requests
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+COMPLETION_PROMPT = "The quick brown fox"
+GREEDY_EXTRA = {"ignore_eos": True}
+NEW = 12
+
+
+@pytest.fixture(scope="module")
+def model(model_dirs) -> str:
+    return model_dirs["deepseek_v2"]
+
+
+@pytest.fixture(scope="module")
+def engine_outputs(engine_cache, model) -> dict:
+    """What Engine.generate gives for the requests the server is asked below."""
+    tok = AutoTokenizer.from_pretrained(model)
+    chat_ids = tok.encode(
+        tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False), add_special_tokens=False
+    )
+    engine = engine_cache.get(model, tp_size=2, dp_size=2, enable_dp_attention=True, max_total_tokens=POOL)
+    params = {"max_new_tokens": NEW, "temperature": 0.0, "ignore_eos": True}
+    chat = engine.generate(input_ids=chat_ids, sampling_params=params)
+    completion = engine.generate(prompt=COMPLETION_PROMPT, sampling_params=params)
+    engine_cache.close()  # two cores: do not keep its ranks around while the server runs
+    return {"chat": chat, "completion": completion, "chat_ids": chat_ids}
+
+
+@pytest.fixture(scope="module")
+def server(model, engine_outputs):
+    with ServerProcess(
+        "--model-path",
+        model,
+        "--tp",
+        "2",
+        "--dp",
+        "2",
+        "--enable-dp-attention",
+        "--max-total-tokens",
+        str(POOL),
+        "--log-level",
+        "info",
+    ) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server) -> OpenAI:
+    return OpenAI(base_url=f"{server.url}/v1", api_key="none")
+
+
+def metrics(server) -> dict[str, float]:
+    text = httpx.get(f"{server.url}/metrics").text
+    return {
+        k: float(v)
+        for k, v in (line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))
+    }
+
+
+def kv_used(server) -> float:
+    m = metrics(server)
+    return sum(v for k, v in m.items() if k.startswith("dpserve_kv_used_tokens"))
+
+
+def test_chat_and_completion_match_engine(client, model, engine_outputs):
+    common = {"model": model, "max_tokens": NEW, "temperature": 0, "extra_body": GREEDY_EXTRA}
+    chat = client.chat.completions.create(messages=CHAT, **common)
+    expected = engine_outputs["chat"]
+    assert chat.choices[0].message.content == expected["text"]
+    assert chat.choices[0].finish_reason == "length"
+    assert chat.usage.prompt_tokens == len(engine_outputs["chat_ids"]) and chat.usage.completion_tokens == NEW
+
+    stream = client.chat.completions.create(
+        messages=CHAT, stream=True, stream_options={"include_usage": True}, **common
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected["text"]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].usage.completion_tokens == NEW and chunks[-1].choices == []
+
+    completion = client.completions.create(prompt=COMPLETION_PROMPT, **common)
+    assert completion.choices[0].text == engine_outputs["completion"]["text"]
+    streamed = client.completions.create(prompt=COMPLETION_PROMPT, stream=True, **common)
+    assert "".join(c.choices[0].text for c in streamed) == engine_outputs["completion"]["text"]
+
+
+def test_32_concurrent_streams(server, model):
+    async def one(client: AsyncOpenAI, i: int) -> tuple[int, int, str]:
+        stream = await client.completions.create(
+            model=model,
+            prompt=f"request {i}: " + "x " * (i % 7),
+            max_tokens=4 + i % 9,
+            temperature=0.7,
+            seed=i,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=GREEDY_EXTRA,
+        )
+        usage, text = None, ""
+        async for chunk in stream:
+            text += "".join(c.text for c in chunk.choices)
+            usage = chunk.usage or usage
+        return usage.prompt_tokens, usage.completion_tokens, text
+
+    async def run() -> list:
+        async with AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none") as client:
+            return await asyncio.gather(*(one(client, i) for i in range(32)))
+
+    before = metrics(server)
+    results = asyncio.run(run())
+    tok = AutoTokenizer.from_pretrained(model)
+    for i, (prompt_tokens, completion_tokens, _) in enumerate(results):
+        assert prompt_tokens == len(tok.encode(f"request {i}: " + "x " * (i % 7)))
+        assert completion_tokens == 4 + i % 9
+    after = metrics(server)
+    generated = [
+        after[f'dpserve_generation_tokens_total{{dp_rank="{g}"}}']
+        - before[f'dpserve_generation_tokens_total{{dp_rank="{g}"}}']
+        for g in (0, 1)
+    ]
+    assert sum(generated) == sum(4 + i % 9 for i in range(32))
+    assert min(generated) > 0  # both DP groups served
+    assert kv_used(server) == 0
+
+
+def test_native_generate_pins_and_stops(server, engine_outputs):
+    expected = engine_outputs["completion"]
+    body = {
+        "text": COMPLETION_PROMPT,
+        "sampling_params": {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True},
+    }
+    for g in (0, 1):
+        out = httpx.post(
+            f"{server.url}/generate", json={**body, "data_parallel_rank": g, "return_logprob": True}
+        ).json()
+        assert out["meta_info"]["dp_rank"] == g
+        assert out["output_ids"] == expected["output_ids"] and out["text"] == expected["text"]
+        assert len(out["meta_info"]["output_token_logprobs"]) == NEW
+    # A stop string taken from the middle of the known output: the text ends right before it.
+    text = expected["text"]
+    stop = next(
+        text[i : i + 2]
+        for i in range(3, len(text) - 2)
+        if text[i : i + 2].strip() and text[i : i + 2] not in text[:i]
+    )
+    cut = text.index(stop)
+    out = httpx.post(
+        f"{server.url}/generate", json={**body, "sampling_params": {**body["sampling_params"], "stop": stop}}
+    ).json()
+    assert out["text"] == text[:cut]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    streamed = httpx.post(f"{server.url}/generate", json={**body, "stream": True}).text
+    events = [json.loads(e.removeprefix("data: ")) for e in streamed.strip().split("\n\n")[:-1]]
+    assert events[-1]["text"] == text and streamed.endswith("data: [DONE]\n\n")
+
+
+def test_server_info_and_metrics(server):
+    info = httpx.get(f"{server.url}/get_server_info").json()
+    assert (info["tp_size"], info["dp_size"], info["attn_tp_size"]) == (2, 2, 1)
+    assert [r["max_total_num_tokens"] for r in info["dp_ranks"]] == [POOL, POOL]
+    assert len(info["worker_pids"]) == 2
+    m = metrics(server)
+    for g in (0, 1):
+        assert m[f'dpserve_kv_free_tokens{{dp_rank="{g}"}}'] == POOL
+        assert (
+            f'dpserve_steps_eager_total{{dp_rank="{g}"}}' in m
+            and f'dpserve_num_queue_reqs{{dp_rank="{g}"}}' in m
+        )
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert httpx.get(f"{server.url}/v1/models").json()["data"][0]["max_model_len"] == 512
+
+
+LONG_CONTEXT = "x " * 600  # the tiny models have a 512-token context
+BAD_REQUESTS = [
+    ("/v1/completions", b'{"model": "m", "prompt": ', 400, "not valid JSON"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens: Input should be greater than 0"),
+    (
+        "/v1/chat/completions",
+        {"messages": CHAT, "max_tokens": -3},
+        400,
+        "max_tokens: Input should be greater than 0",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": CHAT, "logit_bias": {"5": 1}},
+        400,
+        "logit_bias: Extra inputs are not permitted",
+    ),
+    ("/v1/chat/completions", {"messages": CHAT, "temperature": 3}, 400, "temperature"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/completions", {"prompt": LONG_CONTEXT}, 400, "the model's context length is 512"),
+    (
+        "/v1/completions",
+        {"prompt": "x " * 100, "max_tokens": 200},
+        400,
+        f"its DP group's KV pool holds only {POOL} tokens",
+    ),
+    ("/v1/completions", {"prompt": [5, 99999]}, 400, "token id 99999 is outside the vocabulary"),
+    ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "The model `gpt-4` does not exist"),
+    (
+        "/v1/completions",
+        {"prompt": "hi", "data_parallel_rank": 5},
+        400,
+        "data_parallel_rank=5 is outside [0, 2)",
+    ),
+    (
+        "/generate",
+        {"text": "hi", "sampling_params": {"max_new_tokens": 0}},
+        400,
+        "max_new_tokens must be >= 1",
+    ),
+    (
+        "/generate",
+        {"text": "hi", "sampling_params": {"temprature": 0}},
+        400,
+        "unknown sampling parameter(s): temprature",
+    ),
+    ("/generate", {"text": "hi", "input_ids": [1]}, 400, "exactly one of text or input_ids"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,message", BAD_REQUESTS)
+def test_bad_input_gets_4xx_and_server_keeps_serving(server, client, model, path, body, status, message):
+    if isinstance(body, dict) and path.startswith("/v1"):
+        body = {"model": model, **body}
+    kwargs = (
+        {"content": body, "headers": {"content-type": "application/json"}}
+        if isinstance(body, bytes)
+        else {"json": body}
+    )
+    r = httpx.post(f"{server.url}{path}", **kwargs)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert message in error["message"] and error["code"] == status and error["type"]
+    ok = client.completions.create(model=model, prompt="hi", max_tokens=2)
+    assert ok.usage.completion_tokens >= 1
+
+
+def test_disconnect_mid_stream_frees_kv(server, model):
+    assert kv_used(server) == 0
+    body = {"model": model, "prompt": "a long story", "max_tokens": 200, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        received = [next(lines) for _ in range(6)]  # a few events: the request is decoding
+        assert all(not line or line.startswith("data: ") for line in received)
+        assert kv_used(server) > 0
+    deadline = time.monotonic() + 30
+    while kv_used(server) > 0:  # the abort reaches the scheduler, which frees the slots
+        assert time.monotonic() < deadline, "KV not freed after the client disconnected"
+    assert metrics(server)["dpserve_aborted_requests_total"] >= 1
+
+
+def test_sigterm_aborts_streams_and_exits_zero(server, model):
+    body = {"model": model, "prompt": "never ending", "max_tokens": 200, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        next(lines)
+        server.proc.send_signal(15)
+        events = [json.loads(line.removeprefix("data: ")) for line in lines if line.startswith("data: {")]
+    assert events[-1]["choices"][0]["finish_reason"] == "abort"
+    assert server.wait(60) == 0
+    assert "shut down cleanly" in server.output

@@ -1,0 +1,72 @@
+"""Server layouts beyond one node with DP attention: replicas, two nodes on loopback, a dying worker."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import httpx
+import pytest
+from conftest import GREEDY, assert_matches_reference
+
+from dpserve.engine.workers import free_port
+from dpserve.testing.server import ServerProcess
+
+
+def generate(server: ServerProcess, input_ids, **extra) -> dict | list[dict]:
+    body = {"input_ids": input_ids, "sampling_params": GREEDY, "return_logprob": True, **extra}
+    r = httpx.post(f"{server.url}/generate", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.fixture(scope="module")
+def replicas(model_dirs, engine_cache):
+    engine_cache.close()
+    model = model_dirs["deepseek_v2"]
+    with ServerProcess(
+        "--model-path", model, "--tp", "1", "--dp", "2", "--load-balance-method", "round_robin"
+    ) as srv:
+        yield srv
+
+
+def test_replicas_alternate_and_match_reference(replicas, prompts, references):
+    info = httpx.get(f"{replicas.url}/get_server_info").json()
+    assert (info["tp_size"], info["dp_size"], info["enable_dp_attention"], len(info["worker_pids"])) == (
+        1,
+        2,
+        False,
+        2,
+    )
+    outputs = [generate(replicas, p) for p in prompts]
+    assert [o["meta_info"]["dp_rank"] for o in outputs] == [0, 1] * (len(prompts) // 2)
+    assert_matches_reference(outputs, references["deepseek_v2"])
+
+
+def test_killed_worker_stops_the_server_nonzero(replicas):
+    pid = httpx.get(f"{replicas.url}/get_server_info").json()["worker_pids"]["1"]
+    os.kill(pid, signal.SIGKILL)
+    assert replicas.wait(60) != 0
+    assert "worker rank 1 exited with code -9" in replicas.output
+
+
+def test_two_nodes_on_loopback_form_one_instance(model_dirs, prompts, references, engine_cache):
+    """tp=4, dp=2 with DP attention: ranks 0-1 in the node-0 launch, ranks 2-3 in the node-1 launch."""
+    engine_cache.close()
+    model = model_dirs["deepseek_v2"]
+    layout = ["--model-path", model, "--tp", "4", "--dp", "2", "--enable-dp-attention", "--nnodes", "2"]
+    layout += ["--dist-init-addr", f"127.0.0.1:{free_port()}"]
+    node1 = ServerProcess(*layout, "--node-rank", "1", wait_ready=False)
+    try:
+        with ServerProcess(*layout, "--node-rank", "0") as node0:
+            info = httpx.get(f"{node0.url}/get_server_info").json()
+            assert (info["tp_size"], info["dp_size"], info["attn_tp_size"], info["nnodes"]) == (4, 2, 2, 2)
+            assert sorted(info["worker_pids"]) == ["0", "1"]  # node 0's share
+            outputs = generate(node0, prompts)
+            assert sorted({o["meta_info"]["dp_rank"] for o in outputs}) == [0, 1]
+            assert_matches_reference(outputs, references["deepseek_v2"])
+            assert node0.stop() == 0
+        assert node1.wait(60) == 0
+        assert "started ranks ['dpserve-rank2', 'dpserve-rank3']" in node1.output
+    finally:
+        node1.kill()
