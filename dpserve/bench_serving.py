@@ -1,0 +1,614 @@
+"""Online serving benchmark for dpserve's OpenAI-compatible HTTP server, modelled on SGLang's bench_serving.
+
+Random token-id prompts are streamed to ``/v1/completions`` at a given request rate (Poisson arrivals)
+under an optional concurrency cap; the report has throughput and TTFT / ITL / TPOT / end-to-end latency.
+``--baseline transformers`` then generates the same prompts and output lengths with transformers on the
+CPU and prints dpserve's output throughput over transformers'.
+
+    python -m dpserve.launch_server --model-path /tmp/tiny_v2 --port 30000 &
+    python -m dpserve.bench_serving --base-url http://127.0.0.1:30000 --model-path /tmp/tiny_v2 \\
+        --num-prompts 200 --random-input-len 256 --random-output-len 64 --request-rate inf \\
+        --max-concurrency 32 --baseline transformers
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import shlex
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import numpy as np
+import torch
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+
+@dataclass
+class RequestInput:
+    """One benchmark request: prompt token ids and the exact number of tokens to generate."""
+
+    prompt: list[int]
+    output_len: int
+
+
+@dataclass
+class RequestOutput:
+    """What one streamed request recorded; times are ``time.perf_counter()`` values."""
+
+    prompt_len: int
+    success: bool = False
+    output_len: int = 0  # usage.completion_tokens, or the number of choice chunks if no usage came
+    start: float = 0.0
+    end: float = 0.0
+    chunk_times: list[float] = field(default_factory=list)  # arrivals of chunks carrying text
+    error: str = ""
+
+    @property
+    def ttft(self) -> float:
+        return self.chunk_times[0] - self.start
+
+    @property
+    def latency(self) -> float:
+        return self.end - self.start
+
+    @property
+    def itls(self) -> list[float]:
+        return np.diff(self.chunk_times).tolist()
+
+
+def random_lengths(n: int, length: int, range_ratio: float, rng: np.random.Generator) -> np.ndarray:
+    """``n`` lengths drawn uniformly from the integers in ``[max(1, range_ratio * length), length]``."""
+    # round() first so that e.g. 0.3 * 10 = 3.0000000000000004 does not ceil to 4.
+    low = max(1, math.ceil(round(range_ratio * length, 6)))
+    return rng.integers(low, length + 1, size=n)
+
+
+def prompt_token_ids(tokenizer: Any) -> np.ndarray:
+    """Token ids that random prompts draw from: the whole vocabulary except the special tokens."""
+    return np.setdiff1d(np.arange(len(tokenizer)), tokenizer.all_special_ids)
+
+
+def sample_requests(
+    num: int,
+    input_len: int,
+    output_len: int,
+    range_ratio: float,
+    token_ids: np.ndarray,
+    rng: np.random.Generator,
+) -> list[RequestInput]:
+    """Random prompts (ids drawn uniformly from ``token_ids``) with random input and output lengths."""
+    input_lens = random_lengths(num, input_len, range_ratio, rng)
+    output_lens = random_lengths(num, output_len, range_ratio, rng)
+    return [
+        RequestInput(rng.choice(token_ids, size=int(i)).tolist(), int(o))
+        for i, o in zip(input_lens, output_lens, strict=True)
+    ]
+
+
+def arrival_times(n: int, request_rate: float, rng: np.random.Generator) -> np.ndarray:
+    """Send times in seconds from the start: all 0 for an infinite rate, else a Poisson process
+    (exponential gaps with mean ``1 / request_rate``) whose first request goes at 0."""
+    if math.isinf(request_rate):
+        return np.zeros(n)
+    gaps = rng.exponential(1.0 / request_rate, size=n - 1)
+    return np.concatenate([[0.0], np.cumsum(gaps)])
+
+
+def summarize(name: str, seconds: list[float]) -> dict[str, float | None]:
+    """Mean, median and p99 (numpy's linear interpolation) in milliseconds; None when there is no sample."""
+    if not seconds:
+        return {f"{stat}_{name}_ms": None for stat in ("mean", "median", "p99")}
+    ms = np.asarray(seconds) * 1000.0
+    return {
+        f"mean_{name}_ms": float(np.mean(ms)),
+        f"median_{name}_ms": float(np.median(ms)),
+        f"p99_{name}_ms": float(np.percentile(ms, 99)),
+    }
+
+
+def compute_metrics(outputs: list[RequestOutput], duration: float) -> dict[str, Any]:
+    """Throughput and latency statistics over the successful requests of a run that took ``duration`` s.
+
+    TTFT is the first text chunk's arrival minus the send time; ITL pools the gaps between consecutive
+    text chunks of every request; TPOT is ``(e2e - ttft) / (output_len - 1)`` per request with at least
+    two output tokens; E2E is the last byte's arrival minus the send time.
+    """
+    done = [o for o in outputs if o.success]
+    input_tokens = sum(o.prompt_len for o in done)
+    output_tokens = sum(o.output_len for o in done)
+    latencies = [o.latency for o in done]
+    metrics: dict[str, Any] = {
+        "completed": len(done),
+        "failed": len(outputs) - len(done),
+        "duration": duration,
+        "total_input_tokens": input_tokens,
+        "total_output_tokens": output_tokens,
+        "request_throughput": len(done) / duration,
+        "input_throughput": input_tokens / duration,
+        "output_throughput": output_tokens / duration,
+        "total_throughput": (input_tokens + output_tokens) / duration,
+        "concurrency": sum(latencies) / duration,  # mean number of requests in flight
+    }
+    metrics |= summarize("ttft", [o.ttft for o in done])
+    metrics |= summarize("itl", [gap for o in done for gap in o.itls])
+    metrics |= summarize(
+        "tpot", [(o.latency - o.ttft) / (o.output_len - 1) for o in done if o.output_len > 1]
+    )
+    metrics |= summarize("e2e_latency", latencies)
+    return metrics
+
+
+def error_message(status: int, body: bytes) -> str:
+    try:
+        return f"HTTP {status}: {json.loads(body)['error']['message']}"
+    except (ValueError, KeyError, TypeError):
+        return f"HTTP {status}: {body[:500].decode(errors='replace')}"
+
+
+async def send_request(
+    client: httpx.AsyncClient, base_url: str, model: str, request: RequestInput
+) -> RequestOutput:
+    """Stream one completion and record its chunk arrival times; failures are recorded, never raised."""
+    payload = {
+        "model": model,
+        "prompt": request.prompt,
+        "max_tokens": request.output_len,
+        "temperature": 0.0,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
+    out = RequestOutput(prompt_len=len(request.prompt))
+    first_choice: float | None = None
+    choice_chunks = 0
+    usage = None
+    out.start = time.perf_counter()
+    try:
+        async with client.stream("POST", f"{base_url}/v1/completions", json=payload) as response:
+            if not response.is_success:
+                out.error = error_message(response.status_code, await response.aread())
+                return out
+            async for line in response.aiter_lines():
+                now = time.perf_counter()
+                if not line.startswith("data:"):
+                    continue
+                data = line[len("data:") :].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if error := chunk.get("error"):
+                    message = error.get("message", error) if isinstance(error, dict) else error
+                    out.error = f"error in stream: {message}"
+                    return out
+                usage = chunk.get("usage") or usage
+                for choice in chunk.get("choices") or []:
+                    choice_chunks += 1
+                    first_choice = first_choice or now
+                    if choice.get("text"):
+                        out.chunk_times.append(now)
+    except (httpx.HTTPError, ValueError) as e:
+        out.error = f"{type(e).__name__}: {e}"
+        return out
+    finally:
+        out.end = time.perf_counter()
+    out.output_len = usage["completion_tokens"] if usage else choice_chunks
+    # A stream whose tokens all decode to empty text (e.g. special tokens) still has a first token.
+    if not out.chunk_times and first_choice is not None:
+        out.chunk_times.append(first_choice)
+    out.success = out.output_len > 0 and bool(out.chunk_times)
+    if not out.success:
+        out.error = "the stream carried no completion tokens"
+    return out
+
+
+def make_client(timeout: float) -> httpx.AsyncClient:
+    # No connection cap: --max-concurrency is the only limit. trust_env=False: never route via a proxy.
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    return httpx.AsyncClient(timeout=httpx.Timeout(timeout), limits=limits, trust_env=False)
+
+
+async def run_requests(
+    base_url: str,
+    model: str,
+    requests: list[RequestInput],
+    arrivals: np.ndarray,
+    max_concurrency: int | None,
+    timeout: float,
+    disable_tqdm: bool,
+) -> tuple[list[RequestOutput], float]:
+    """Send each request at its arrival time (then waiting for a concurrency slot); return the outputs
+    in request order and the wall time from the first send to the last completion."""
+    semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    pbar = tqdm(total=len(requests), desc="requests", unit="req", disable=disable_tqdm)
+
+    async def one(client: httpx.AsyncClient, request: RequestInput, at: float) -> RequestOutput:
+        # Sleeping until an absolute time keeps timer drift from accumulating over the schedule.
+        await asyncio.sleep(at - (time.perf_counter() - start))
+        if semaphore is None:
+            out = await send_request(client, base_url, model, request)
+        else:
+            async with semaphore:
+                out = await send_request(client, base_url, model, request)
+        pbar.update(1)
+        return out
+
+    async with make_client(timeout) as client:
+        start = time.perf_counter()
+        outputs = await asyncio.gather(
+            *(one(client, r, float(t)) for r, t in zip(requests, arrivals, strict=True))
+        )
+        duration = time.perf_counter() - start
+    pbar.close()
+    return list(outputs), duration
+
+
+def served_model_id(base_url: str, timeout: float) -> str:
+    try:
+        response = httpx.get(f"{base_url}/v1/models", timeout=timeout, trust_env=False)
+        response.raise_for_status()
+        return response.json()["data"][0]["id"]
+    except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
+        raise SystemExit(f"error: cannot read the served model from {base_url}/v1/models: {e}") from e
+
+
+@torch.inference_mode()
+def transformers_generate(
+    model: PreTrainedModel, requests: list[RequestInput], batch_size: int, pad_id: int, disable_tqdm: bool
+) -> list[list[int]]:
+    """Greedy-generate exactly ``output_len`` new tokens per request (eos suppressed), in left-padded batches.
+
+    Requests are sorted by output then input length: every row of a batch runs for the batch's longest
+    output, so grouping similar output lengths wastes the fewest decode steps, and similar prompt
+    lengths the least padding.
+    """
+    order = sorted(range(len(requests)), key=lambda i: (requests[i].output_len, len(requests[i].prompt)))
+    results: list[list[int]] = [[] for _ in requests]
+    for first in tqdm(range(0, len(order), batch_size), desc="transformers batches", disable=disable_tqdm):
+        batch = [requests[i] for i in order[first : first + batch_size]]
+        width = max(len(r.prompt) for r in batch)
+        input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, r in enumerate(batch):
+            input_ids[row, width - len(r.prompt) :] = torch.tensor(r.prompt)
+            attention_mask[row, width - len(r.prompt) :] = 1
+        new_tokens = max(r.output_len for r in batch)
+        sequences = model.generate(
+            input_ids,
+            attention_mask=attention_mask,
+            do_sample=False,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            pad_token_id=pad_id,
+        )
+        for row, i in enumerate(order[first : first + batch_size]):
+            results[i] = sequences[row, width : width + requests[i].output_len].tolist()
+    return results
+
+
+def run_transformers_baseline(
+    model_path: str, requests: list[RequestInput], batch_size: int, pad_id: int, disable_tqdm: bool
+) -> dict[str, Any]:
+    """Time transformers (float32, CPU) on the benchmark's requests; throughput counts requested tokens only."""
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    transformers_generate(model, [RequestInput(requests[0].prompt, 2)], 1, pad_id, True)  # warm-up
+    start = time.perf_counter()
+    outputs = transformers_generate(model, requests, batch_size, pad_id, disable_tqdm)
+    duration = time.perf_counter() - start
+    short = [i for i, (o, r) in enumerate(zip(outputs, requests, strict=True)) if len(o) != r.output_len]
+    if short:
+        raise RuntimeError(f"transformers generated fewer tokens than requested for requests {short}")
+    input_tokens = sum(len(r.prompt) for r in requests)
+    output_tokens = sum(r.output_len for r in requests)
+    return {
+        "backend": "transformers",
+        "batch_size": batch_size,
+        "torch_threads": torch.get_num_threads(),
+        "duration": duration,
+        "total_input_tokens": input_tokens,
+        "total_output_tokens": output_tokens,
+        "request_throughput": len(requests) / duration,
+        "output_throughput": output_tokens / duration,
+        "total_throughput": (input_tokens + output_tokens) / duration,
+    }
+
+
+def machine_info() -> dict[str, Any]:
+    return {
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+
+
+def fmt(value: float | None, spec: str = ".2f") -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def report(r: dict[str, Any]) -> str:
+    lines = ["{s:{c}^50}".format(s=" Serving Benchmark Result ", c="=")]
+
+    def add(label: str, value: Any) -> None:
+        lines.append(f"{label + ':':<40} {value:>9}")
+
+    def section(title: str) -> None:
+        lines.append("{s:{c}^50}".format(s=title, c="-"))
+
+    if "completed" in r:
+        add("Traffic request rate", r["request_rate"])
+        add("Max request concurrency", r["max_concurrency"] or "not set")
+        add("Successful requests", r["completed"])
+        add("Failed requests", r["failed"])
+        add("Benchmark duration (s)", fmt(r["duration"]))
+        add("Total input tokens", r["total_input_tokens"])
+        add("Total generated tokens", r["total_output_tokens"])
+        add("Request throughput (req/s)", fmt(r["request_throughput"]))
+        add("Input token throughput (tok/s)", fmt(r["input_throughput"]))
+        add("Output token throughput (tok/s)", fmt(r["output_throughput"]))
+        add("Total token throughput (tok/s)", fmt(r["total_throughput"]))
+        add("Concurrency", fmt(r["concurrency"]))
+        for name, title in (
+            ("ttft", "Time to First Token"),
+            ("itl", "Inter-Token Latency"),
+            ("tpot", "Time per Output Token (excl. 1st token)"),
+            ("e2e_latency", "End-to-End Latency"),
+        ):
+            section(title)
+            short = "E2E" if name == "e2e_latency" else name.upper()
+            for stat, label in (("mean", "Mean"), ("median", "Median"), ("p99", "P99")):
+                add(f"{label} {short} (ms)", fmt(r[f"{stat}_{name}_ms"]))
+    if "baseline" in r:
+        b = r["baseline"]
+        section(f"transformers baseline (batch {b['batch_size']})")
+        add("Duration (s)", fmt(b["duration"]))
+        add("Output token throughput (tok/s)", fmt(b["output_throughput"]))
+        add("Total token throughput (tok/s)", fmt(b["total_throughput"]))
+        if "output_throughput_ratio" in r:
+            add("Output throughput dpserve/transformers", fmt(r["output_throughput_ratio"]))
+    lines.append("=" * 50)
+    return "\n".join(lines)
+
+
+TABLE_COLUMNS = (
+    ("prompts", "num_prompts", "d"),
+    ("input len", "random_input_len", "d"),
+    ("output len", "random_output_len", "d"),
+    ("range ratio", "random_range_ratio", "g"),
+    ("rate (req/s)", "request_rate", ""),
+    ("max conc.", "max_concurrency", "d"),
+    ("ok", "completed", "d"),
+    ("failed", "failed", "d"),
+    ("duration (s)", "duration", ".2f"),
+    ("req/s", "request_throughput", ".2f"),
+    ("input tok/s", "input_throughput", ".1f"),
+    ("output tok/s", "output_throughput", ".1f"),
+    ("TTFT mean (ms)", "mean_ttft_ms", ".1f"),
+    ("TTFT p99 (ms)", "p99_ttft_ms", ".1f"),
+    ("ITL mean (ms)", "mean_itl_ms", ".2f"),
+    ("ITL p99 (ms)", "p99_itl_ms", ".2f"),
+    ("TPOT mean (ms)", "mean_tpot_ms", ".2f"),
+    ("TPOT p99 (ms)", "p99_tpot_ms", ".2f"),
+    ("E2E mean (ms)", "mean_e2e_latency_ms", ".1f"),
+    ("E2E p99 (ms)", "p99_e2e_latency_ms", ".1f"),
+    ("transformers output tok/s", "baseline_output_throughput", ".1f"),
+    ("dpserve / transformers", "output_throughput_ratio", ".2f"),
+)
+
+
+def markdown_table(r: dict[str, Any]) -> str:
+    """A header and one row for docs/benchmarks.md; absent figures and unset limits print as -."""
+    values = r | {"baseline_output_throughput": r.get("baseline", {}).get("output_throughput")}
+    cells = ["-" if values.get(key) is None else format(values[key], spec) for _, key, spec in TABLE_COLUMNS]
+    return "\n".join(
+        [
+            "| " + " | ".join(title for title, _, _ in TABLE_COLUMNS) + " |",
+            "|" + "---:|" * len(TABLE_COLUMNS),
+            "| " + " | ".join(cells) + " |",
+        ]
+    )
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m dpserve.bench_serving",
+        description="Online serving benchmark: random token-id prompts (uniform over the tokenizer's "
+        "vocabulary less its special tokens) streamed to an OpenAI-compatible "
+        "/v1/completions endpoint (greedy, ignore_eos, so each request generates exactly its output "
+        "length). Reports request/token throughput and TTFT, ITL, TPOT and end-to-end latency (mean, "
+        "median, p99) over the successful requests, optionally against a transformers baseline.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--base-url", default="http://127.0.0.1:30000", help="server URL, without /v1")
+    p.add_argument(
+        "--model", default=None, help="model name sent in requests (unset: the first id of GET /v1/models)"
+    )
+    p.add_argument(
+        "--model-path",
+        default=None,
+        help="Hugging Face checkpoint directory: its tokenizer gives the prompt vocabulary, and the "
+        "transformers baseline loads it (unset: the served model id, if that is a local directory)",
+    )
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory (unset: --model-path)")
+    p.add_argument("--num-prompts", type=positive_int, default=100, help="number of requests")
+    p.add_argument("--random-input-len", type=positive_int, default=256, help="maximum prompt length L_in")
+    p.add_argument(
+        "--random-output-len", type=positive_int, default=64, help="maximum output length L_out (tokens)"
+    )
+    p.add_argument(
+        "--random-range-ratio",
+        type=float,
+        default=0.0,
+        help="each prompt and output length is drawn uniformly from the integers in [max(1, ratio * L), L] "
+        "(SGLang's convention): 1.0 gives exactly L, 0.0 anything from 1 to L",
+    )
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="requests per second; inf sends all at once, otherwise Poisson arrivals (exponential gaps "
+        "seeded by --seed)",
+    )
+    p.add_argument(
+        "--max-concurrency",
+        type=positive_int,
+        default=None,
+        help="most requests in flight at once; later arrivals wait for a slot (unset: no cap)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts, lengths and arrival times")
+    p.add_argument(
+        "--warmup-requests",
+        type=int,
+        default=1,
+        help="unmeasured requests (random prompts of their own) sent at once before the run; the benchmark "
+        "stops if one fails",
+    )
+    p.add_argument("--request-timeout", type=float, default=3600.0, help="per-request HTTP timeout (s)")
+    p.add_argument(
+        "--baseline",
+        choices=("transformers",),
+        default=None,
+        help="after the server run, generate the same prompts and output lengths with transformers "
+        "(float32, CPU, greedy, left-padded batches) and report dpserve's output throughput over its own",
+    )
+    p.add_argument(
+        "--baseline-batch-size",
+        type=positive_int,
+        default=None,
+        help="transformers batch size (unset: --max-concurrency, or 16 without one)",
+    )
+    p.add_argument(
+        "--skip-server",
+        action="store_true",
+        help="run only the baseline (with the server stopped, so it does not share the CPU)",
+    )
+    p.add_argument("--output-file", default=None, help="append the result as one JSON line to this file")
+    p.add_argument("--disable-tqdm", action="store_true", help="no progress bars")
+    args = p.parse_args(argv)
+    if not 0.0 <= args.random_range_ratio <= 1.0:
+        p.error("--random-range-ratio must be in [0, 1]")
+    if not args.request_rate > 0:
+        p.error("--request-rate must be > 0 (inf for all at once)")
+    if args.warmup_requests < 0:
+        p.error("--warmup-requests must be >= 0")
+    if args.skip_server and args.baseline is None:
+        p.error("--skip-server needs --baseline")
+    if args.baseline and args.model_path is None:
+        p.error("--baseline needs --model-path")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the benchmark from command-line arguments; return the result dict (also printed)."""
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    base_url = args.base_url.rstrip("/")
+    model = None
+    if not args.skip_server:
+        model = args.model or served_model_id(base_url, args.request_timeout)
+    tokenizer_path = args.tokenizer or args.model_path
+    if tokenizer_path is None and model is not None and os.path.isdir(model):
+        tokenizer_path = model
+    if tokenizer_path is None:
+        raise SystemExit("error: pass --model-path or --tokenizer (the served model id is not a directory)")
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    token_ids = prompt_token_ids(tokenizer)
+    requests = sample_requests(
+        args.num_prompts,
+        args.random_input_len,
+        args.random_output_len,
+        args.random_range_ratio,
+        token_ids,
+        np.random.default_rng(args.seed),
+    )
+    result: dict[str, Any] = {
+        "backend": "dpserve",
+        "base_url": base_url,
+        "model": model,
+        "num_prompts": args.num_prompts,
+        "random_input_len": args.random_input_len,
+        "random_output_len": args.random_output_len,
+        "random_range_ratio": args.random_range_ratio,
+        "request_rate": "inf" if math.isinf(args.request_rate) else args.request_rate,  # JSON has no inf
+        "max_concurrency": args.max_concurrency,
+        "seed": args.seed,
+        "command": shlex.join(["python", "-m", "dpserve.bench_serving", *argv]),
+        "machine": machine_info(),
+    }
+    if not args.skip_server:
+        assert model is not None
+        if args.warmup_requests:
+            # Prompts of their own, so that no measured prompt could hit a prefix cache the warm-up filled.
+            warmup = sample_requests(
+                args.warmup_requests,
+                args.random_input_len,
+                args.random_output_len,
+                args.random_range_ratio,
+                token_ids,
+                np.random.default_rng([args.seed, 2]),
+            )
+            outs, _ = asyncio.run(
+                run_requests(base_url, model, warmup, np.zeros(len(warmup)), None, args.request_timeout, True)
+            )
+            failed = [o.error for o in outs if not o.success]
+            if failed:
+                raise SystemExit(f"error: warm-up request failed: {failed[0]}")
+        arrivals = arrival_times(len(requests), args.request_rate, np.random.default_rng([args.seed, 1]))
+        outputs, duration = asyncio.run(
+            run_requests(
+                base_url,
+                model,
+                requests,
+                arrivals,
+                args.max_concurrency,
+                args.request_timeout,
+                args.disable_tqdm,
+            )
+        )
+        result |= compute_metrics(outputs, duration)
+        errors = [o.error for o in outputs if not o.success]
+        result["errors"] = dict(Counter(errors))
+        mismatched = sum(
+            o.success and o.output_len != r.output_len for o, r in zip(outputs, requests, strict=True)
+        )
+        result["output_len_mismatches"] = mismatched
+        if errors:
+            print(f"warning: {len(errors)} requests failed; first error: {errors[0]}", file=sys.stderr)
+        if mismatched:
+            print(f"warning: {mismatched} requests generated other than max_tokens tokens", file=sys.stderr)
+    if args.baseline:
+        batch_size = args.baseline_batch_size or args.max_concurrency or 16
+        pad_id = next(i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if i is not None)
+        result["baseline"] = run_transformers_baseline(
+            args.model_path, requests, batch_size, pad_id, args.disable_tqdm
+        )
+        if "output_throughput" in result:
+            result["output_throughput_ratio"] = (
+                result["output_throughput"] / result["baseline"]["output_throughput"]
+            )
+    print(report(result))
+    print(markdown_table(result))
+    if args.output_file:
+        with open(args.output_file, "a") as f:
+            f.write(json.dumps(result) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
