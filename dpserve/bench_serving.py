@@ -32,6 +32,8 @@ import torch
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from dpserve.models.gguf import resolve_model_path
+
 
 @dataclass
 class RequestInput:
@@ -442,7 +444,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--model-path",
         default=None,
-        help="Hugging Face checkpoint directory: its tokenizer gives the prompt vocabulary, and the "
+        help="Hugging Face checkpoint directory (or a .gguf / smollm2-135m-instruct, as launch_server takes): its tokenizer gives the prompt vocabulary, and the "
         "transformers baseline loads it (unset: the served model id, if that is a local directory)",
     )
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (unset: --model-path)")
@@ -511,6 +513,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--skip-server needs --baseline")
     if args.baseline and args.model_path is None:
         p.error("--baseline needs --model-path")
+    # The same names launch_server takes: a .gguf file or smollm2-135m-instruct become their cached conversion.
+    args.model_path = args.model_path and resolve_model_path(args.model_path)
     return args
 
 

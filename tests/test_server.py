@@ -99,6 +99,39 @@ def test_chat_and_completion_match_engine(client, model, engine_outputs):
     assert "".join(c.choices[0].text for c in streamed) == engine_outputs["completion"]["text"]
 
 
+def test_n_seed_stop_and_logprobs(client, model, engine_outputs):
+    expected = engine_outputs["completion"]
+    common = {"model": model, "prompt": COMPLETION_PROMPT, "max_tokens": NEW, "extra_body": GREEDY_EXTRA}
+    # n choices with a seed: reproducible, and each choice has its own seed.
+    first = client.completions.create(n=3, temperature=1.0, seed=7, **common)
+    again = client.completions.create(n=3, temperature=1.0, seed=7, **common)
+    assert [c.text for c in first.choices] == [c.text for c in again.choices]
+    assert [c.index for c in first.choices] == [0, 1, 2] and len({c.text for c in first.choices}) > 1
+    assert (
+        first.usage.completion_tokens == 3 * NEW
+        and first.usage.prompt_tokens == expected["meta_info"]["prompt_tokens"]
+    )
+    # A stop string cuts the text before it.
+    text = expected["text"]
+    stop = next(
+        text[i : i + 2]
+        for i in range(3, len(text) - 2)
+        if text[i : i + 2].strip() and text[i : i + 2] not in text[:i]
+    )
+    cut = client.completions.create(temperature=0, stop=[stop], **common).choices[0]
+    assert cut.text == text[: text.index(stop)] and cut.finish_reason == "stop"
+    # Logprobs of the chosen tokens, in both APIs.
+    with_lp = client.completions.create(temperature=0, logprobs=0, **common).choices[0]
+    assert len(with_lp.logprobs.token_logprobs) == NEW and all(
+        lp <= 0 for lp in with_lp.logprobs.token_logprobs
+    )
+    chat = client.chat.completions.create(
+        model=model, messages=CHAT, max_tokens=NEW, temperature=0, logprobs=True, extra_body=GREEDY_EXTRA
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == NEW and "".join(t.token for t in content) == chat.choices[0].message.content
+
+
 def test_32_concurrent_streams(server, model):
     async def one(client: AsyncOpenAI, i: int) -> tuple[int, int, str]:
         stream = await client.completions.create(
