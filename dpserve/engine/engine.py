@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import uuid
@@ -173,7 +174,9 @@ class Engine:
         self.shutdown()
 
     def __del__(self) -> None:
-        self.shutdown()
+        # At interpreter exit the modules shutdown needs may be gone; the ranks die with us anyway.
+        with contextlib.suppress(Exception):
+            self.shutdown()
 
     # --- internals --------------------------------------------------------------------------
 
