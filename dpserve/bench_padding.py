@@ -49,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-sizes", type=positive_int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     p.add_argument("--modes", choices=MODES, nargs="+", default=list(MODES))
     p.add_argument("--input-len", type=positive_int, default=16, help="prompt tokens per request")
-    p.add_argument("--decode-steps", type=positive_int, default=8, help="full-batch decode steps per point")
+    p.add_argument("--decode-steps", type=positive_int, default=12, help="full-batch decode steps per point")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default=".", help="where padding_sweep.json and padding_sweep.png go")

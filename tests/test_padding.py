@@ -9,6 +9,7 @@ import pytest
 import torch
 from conftest import GREEDY, KV_BUDGET_GB, NEW_TOKENS, assert_matches_reference
 
+from dpserve.distributed import Topology
 from dpserve.engine.padding import CostModel, Curve, PaddingPlanner
 from dpserve.layers.mlp import MoE
 
@@ -167,54 +168,45 @@ def test_ranks_agree_under_shifting_loads(engine_cache, model_dirs, prompts, ref
 # --- pieces on their own --------------------------------------------------------------------
 
 
-def flat_cost(all_reduce: float, gather: float, mlp_per_row: float, dp: int) -> CostModel:
-    def const(seconds: float) -> Curve:
-        return Curve((1.0, 2.0), (seconds, seconds))
+def planner(mode: str, tp: int, dp: int, rank: int = 0, cost: CostModel | None = None) -> PaddingPlanner:
+    p = PaddingPlanner(mode, [1, 2, 4, 8], Topology(tp, dp, rank))
+    p.cost = cost
+    return p
 
+
+def linear_cost(sum_len_per_row: float, max_len_per_row: float) -> CostModel:
+    """A cost model of 1 s per step plus the given seconds per row (max_len: per row of a group)."""
     return CostModel(
-        num_layers=2,
-        dp_size=dp,
-        all_reduce=const(all_reduce),
-        all_gather=const(gather),
-        reduce_scatter=const(gather),
-        attn_all_gather=const(0.0),
-        attn_reduce_scatter=const(0.0),
-        mlp=Curve((1.0, 2.0), (mlp_per_row, 2 * mlp_per_row)),
+        sum_len=Curve((1.0, 2.0), (1 + sum_len_per_row, 1 + 2 * sum_len_per_row)),
+        max_len=Curve((1.0, 2.0), (1 + max_len_per_row, 1 + 2 * max_len_per_row)),
     )
 
 
 def test_planner_choices():
-    cost = flat_cost(all_reduce=1.0, gather=1.0, mlp_per_row=1.0, dp=4)
-    planner = PaddingPlanner("auto", [1, 2, 4, 8], dp_rank=0, attn_tp_size=1, cost=cost)
-    one = planner.step([1, 0, 0, 0], [1, 0, 0, 0], can_pad=True)
+    auto = planner("auto", 4, 4, cost=linear_cost(1.0, 4.0))  # MoE-bound: max_len pays 4 rows per M
+    one = auto.step([1, 0, 0, 0], [1, 0, 0, 0], can_pad=True)
     assert (one.mode, one.bucket, one.mlp_rows, one.local_rows) == ("sum_len", 1, 1, 1)
     # Balanced 8 x 4 = 32 > 8: sum_len has no graph, max_len's bucket(8) = 8 does.
-    full = planner.step([8, 8, 8, 8], [8] * 4, can_pad=True)
-    assert (full.mode, full.bucket, full.mlp_rows) == ("max_len", 8, 32)
-    eager = planner.step([9, 1, 0, 0], [1, 1, 0, 0], can_pad=True)
-    assert eager.bucket is None and not eager.graph
-    prefill = planner.step([1, 0, 0, 0], [1, 0, 0, 0], can_pad=False)
-    assert (prefill.mode, prefill.graph, prefill.mlp_rows) == ("sum_len", False, 1)
-    # When all-reduces are dear and MoE rows cheap, auto prefers max_len even when sum_len fits.
-    gather_cheap = PaddingPlanner(
-        "auto", [1, 2, 4, 8], 0, 1, flat_cost(all_reduce=10.0, gather=1.0, mlp_per_row=0.1, dp=4)
-    )
-    assert gather_cheap.step([1, 1, 1, 1], [1] * 4, can_pad=True).mode == "max_len"
+    full = auto.step([8, 8, 8, 8], [8] * 4, can_pad=True)
+    assert (full.mode, full.bucket, full.mlp_rows, full.graph) == ("max_len", 8, 32, True)
+    # Past every bucket, or a prefill in some group: eager, the cheaper mode at the real sizes.
+    eager = auto.step([9, 1, 0, 0], [1, 1, 0, 0], can_pad=True)
+    assert (eager.mode, eager.bucket, eager.graph, eager.mlp_rows) == ("sum_len", None, False, 10)
+    prefill = auto.step([1, 1, 1, 1], [1] * 4, can_pad=False)
+    assert (prefill.mode, prefill.graph, prefill.mlp_rows) == ("sum_len", False, 4)
+    # When the all-reduce path is dear, auto takes max_len even though sum_len has a graph.
+    dear_sum = planner("auto", 4, 4, cost=linear_cost(10.0, 1.0))
+    assert dear_sum.step([1, 1, 1, 1], [1] * 4, can_pad=True).mode == "max_len"
     # Padded sum_len rows of group 2 land after groups 0 and 1; padding goes to the spare row.
-    s = PaddingPlanner("sum_len", [1, 2, 4, 8], dp_rank=2, attn_tp_size=1, cost=None).step(
-        [2, 1, 2, 0], [2, 1, 2, 0], can_pad=True
-    )
+    s = planner("sum_len", 4, 4, rank=2).step([2, 1, 2, 0], [2, 1, 2, 0], can_pad=True)
     assert (s.bucket, s.local_rows, s.row_index()) == (8, 8, [3, 4] + [8] * 6)
-    m = PaddingPlanner("max_len", [1, 2, 4, 8], dp_rank=1, attn_tp_size=2, cost=None).step(
-        [3, 1], [3, 1], can_pad=True
-    )
+    m = planner("max_len", 4, 2, rank=2).step([3, 1], [3, 1], can_pad=True)
     assert (m.bucket, m.padded_len, m.mlp_rows, m.row_index()) == (4, 4, 8, [4, 5, 6, 7])
 
 
 def test_planner_agrees_on_every_rank():
     """The choice depends only on the gathered sizes: every rank of a (8, 4) layout agrees."""
-    cost = flat_cost(all_reduce=2.0, gather=1.0, mlp_per_row=0.05, dp=4)
-    planners = [PaddingPlanner("auto", [1, 2, 4, 8, 16], r // 2, 2, cost) for r in range(8)]
+    planners = [planner("auto", 8, 4, rank=r, cost=linear_cost(1.0, 3.0)) for r in range(8)]
     rng = random.Random(0)
     for _ in range(500):
         tokens = [rng.choice([0, 0, 1, 2, 3, 7, 12, 40]) for _ in range(4)]

@@ -77,6 +77,9 @@ class CudaGraphRunner:
             row_index=self.row_index[:n],
         )
 
+    def has(self, step: DPStep) -> bool:
+        return (step.mode, step.bucket) in self.graphs
+
     def replay(self, batch: ForwardBatch) -> torch.Tensor:
         """Runs a padded decode batch through its graph; returns the hidden rows (a static buffer,
         valid until the next replay)."""

@@ -7,6 +7,7 @@ eagerly with the very same padded batches on the CPU.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -65,12 +66,10 @@ class ModelRunner:
         )
         self.slots = RequestSlots()
         self.graph_kv_len = min(model_cfg.context_len, GRAPH_MAX_KV_LEN)
-        auto = cfg.dp_padding_mode == "auto" and self.topo.dp_size > 1
-        cost = calibrate(self.model, groups, model_cfg.hidden_size, self.dtype, self.device) if auto else None
-        self.planner = PaddingPlanner(
-            cfg.dp_padding_mode, cfg.graph_buckets, self.topo.dp_rank, self.topo.attn_tp_size, cost
-        )
+        self.planner = PaddingPlanner(cfg.dp_padding_mode, cfg.graph_buckets, self.topo)
         self.graphs = CudaGraphRunner(self) if cfg.device == "cuda" and cfg.graph_buckets else None
+        if cfg.dp_padding_mode == "auto" and self.topo.dp_size > 1:
+            self.planner.cost = calibrate(self._idle_step, self.topo, self.device, groups.world_cpu)
 
     def _kv_capacity(self) -> int:
         if self.cfg.max_total_tokens is not None:
@@ -102,11 +101,17 @@ class ModelRunner:
     def forward(self, plan: StepPlan, step: DPStep) -> torch.Tensor:
         """Runs the model on this group's plan (possibly empty); returns logits of sampled rows."""
         batch = self._batch(plan, step)
-        if self.graphs is not None and step.graph:
-            hidden = self.graphs.replay(batch)
-        else:
-            hidden = self.model.forward_hidden(batch, self.pool)
-        return self.model.compute_logits(hidden, batch)
+        return self.model.compute_logits(self._hidden(batch), batch)
+
+    def _hidden(self, batch: ForwardBatch) -> torch.Tensor:
+        if self.graphs is not None and self.graphs.has(batch.step):
+            return self.graphs.replay(batch)
+        return self.model.forward_hidden(batch, self.pool)
+
+    def _idle_step(self, step: DPStep) -> Callable[[], torch.Tensor]:
+        """A padded step with no real rows, run as decode steps run (for the cost model)."""
+        batch = self._batch(StepPlan(), step)
+        return lambda: self._hidden(batch)
 
     def _batch(self, plan: StepPlan, step: DPStep) -> ForwardBatch:
         dev = self.device

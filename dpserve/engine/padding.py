@@ -4,13 +4,13 @@ Every rank calls `PaddingPlanner.step` with the same gathered per-group sizes an
 cost model (rank 0's calibration, broadcast at start-up), so every rank derives the same
 mode and bucket without exchanging anything else.
 
-`auto` compares, per step, a cost model of each mode's collectives and MoE/MLP rows:
-
-    sum_len(R rows):  layers * 2 * all_reduce(R) + mlp(R)
-    max_len(M rows):  layers * (attn_reduce_scatter(M) + all_gather(D*M) + reduce_scatter(D*M)
-                                + attn_all_gather(M)) + mlp(D*M)
-
-Each term is a curve of seconds against rows, measured on the real process groups and model.
+`auto` compares, per step, what each mode's collectives and MoE/MLP work cost at the step's
+size. Both are measured together at start-up, on the real process groups: a few padded
+steps with every row padding, per mode and size (the DP gathers and scatters over WORLD
+and ATTN_TP, the MoE on the gathered rows, and attention on the padded local rows), run
+exactly as decode steps run (CUDA graph replays where captured). Timing the collectives in
+place rather than alone matters: on a shared CPU a collective costs mostly the wait for
+the slowest peer, which an isolated loop of all-reduces hides.
 """
 
 from __future__ import annotations
@@ -24,13 +24,13 @@ from dataclasses import dataclass
 
 import torch
 
-from dpserve.distributed import Groups, all_gather, all_reduce, broadcast_object, reduce_scatter
+from dpserve.distributed import Topology, broadcast_object
 from dpserve.layers.dp_attention import DPStep
 
 logger = logging.getLogger(__name__)
 
-CALIBRATION_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # per curve, in rows of the hidden size
-CALIBRATION_REPS = 5  # timed runs per size (median), after one warm-up run
+CALIBRATION_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)  # sum_len global rows; max_len rows per group
+CALIBRATION_REPS = 5  # timed runs per mode and size (median)
 
 
 @dataclass(frozen=True)
@@ -49,101 +49,62 @@ class Curve:
         return max(y[i - 1] + slope * (rows - x[i - 1]), 0.0)
 
     def __str__(self) -> str:
-        return " ".join(f"{r:g}:{s * 1e3:.3f}ms" for r, s in zip(self.rows, self.seconds, strict=True))
-
-
-ZERO = Curve((1.0,), (0.0,))
+        return " ".join(f"{r:g}:{s * 1e3:.2f}ms" for r, s in zip(self.rows, self.seconds, strict=True))
 
 
 @dataclass(frozen=True)
 class CostModel:
-    """Predicted seconds of one step's DP communication and MoE/MLP work in each mode."""
+    """Seconds of one step's DP collectives and MoE/MLP work (all layers) in each mode."""
 
-    num_layers: int
-    dp_size: int
-    all_reduce: Curve  # WORLD, by rows
-    all_gather: Curve  # WORLD, by output rows
-    reduce_scatter: Curve  # WORLD, by input rows
-    attn_all_gather: Curve  # ATTN_TP, by output rows (ZERO when the attention TP size is 1)
-    attn_reduce_scatter: Curve  # ATTN_TP, by input rows
-    mlp: Curve  # every layer's MLP/MoE together, by rows
-
-    def sum_len(self, rows: int) -> float:
-        return self.num_layers * 2 * self.all_reduce(rows) + self.mlp(rows)
-
-    def max_len(self, m: int) -> float:
-        d = self.dp_size
-        comm = (
-            self.attn_reduce_scatter(m)
-            + self.all_gather(d * m)
-            + self.reduce_scatter(d * m)
-            + self.attn_all_gather(m)
-        )
-        return self.num_layers * comm + self.mlp(d * m)
+    sum_len: Curve  # by rows of the sum_len buffer
+    max_len: Curve  # by M, the rows of each group
 
     def __str__(self) -> str:
-        names = (
-            "all_reduce",
-            "all_gather",
-            "reduce_scatter",
-            "attn_all_gather",
-            "attn_reduce_scatter",
-            "mlp",
-        )
-        return "; ".join(f"{n} [{getattr(self, n)}]" for n in names)
-
-
-def _time(fn: Callable[[], object], device: torch.device) -> float:
-    fn()  # warm-up (also lines the ranks up before the timed runs)
-    times = []
-    for _ in range(CALIBRATION_REPS):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        return f"sum_len by rows [{self.sum_len}]; max_len by rows per group [{self.max_len}]"
 
 
 def calibrate(
-    model: torch.nn.Module, groups: Groups, hidden: int, dtype: torch.dtype, device: torch.device
+    run_step: Callable[[DPStep], Callable[[], object]], topo: Topology, device: torch.device, group
 ) -> CostModel:
-    """Times the collectives and the MLP stack on this rank; every rank must call it together.
+    """Times padded all-padding steps of each mode at several sizes; every rank must call it
+    together. `run_step(step)` prepares a step and returns the call that runs it.
 
     Returns rank 0's cost model on every rank, so that all ranks choose alike.
     """
-    t, a = groups.topo.tp_size, groups.topo.attn_tp_size
+    a, dp = topo.attn_tp_size, topo.dp_size
+    sizes = {
+        "sum_len": sorted(set(CALIBRATION_SIZES)),
+        "max_len": sorted({-(-r // a) * a for r in CALIBRATION_SIZES}),
+    }
+    seconds: dict[str, list[float]] = {m: [] for m in sizes}
 
-    def x(rows: int) -> torch.Tensor:
-        return torch.randn(rows, hidden, dtype=dtype, device=device) * 0.1
+    def timed(run: Callable[[], object]) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - start
 
-    def curve(in_rows: int, units: int, op: Callable[[torch.Tensor], object]) -> Curve:
-        """Times `op` on in_rows * r rows for each calibration r, as a curve over units * r."""
-        seconds = [_time(lambda r=r: op(x(in_rows * r)), device) for r in CALIBRATION_ROWS]
+    runs = {
+        m: [run_step(DPStep(m, (0,) * dp, (0,) * dp, topo.dp_rank, a, size)) for size in sizes[m]]
+        for m in sizes
+    }
+    for m in sizes:
+        runs[m][0]()  # warm-up
+    # Modes interleaved size by size, so that a slow spell of the machine hits both alike.
+    for i in range(len(CALIBRATION_SIZES)):
+        for m in sizes:
+            if i < len(runs[m]):
+                seconds[m].append(statistics.median(timed(runs[m][i]) for _ in range(CALIBRATION_REPS)))
+    curves = {}
+    for m, secs in seconds.items():
         # More rows never cost less: a spike from a descheduled peer must not outweigh larger sizes.
-        monotone = [min(seconds[i:]) for i in range(len(seconds))]
-        return Curve(tuple(float(units * r) for r in CALIBRATION_ROWS), tuple(monotone))
-
-    def mlp_stack(h: torch.Tensor) -> None:
-        for layer in model.layers:
-            layer.mlp(h)
-
-    with torch.no_grad():
-        attn = a > 1
-        cost = CostModel(
-            num_layers=len(model.layers),
-            dp_size=groups.topo.dp_size,
-            all_reduce=curve(1, 1, lambda h: all_reduce(h, groups.world)),
-            all_gather=curve(1, t, lambda h: all_gather(h, groups.world)),
-            reduce_scatter=curve(t, t, lambda h: reduce_scatter(h, groups.world)),
-            attn_all_gather=curve(1, a, lambda h: all_gather(h, groups.attn_tp)) if attn else ZERO,
-            attn_reduce_scatter=curve(a, a, lambda h: reduce_scatter(h, groups.attn_tp)) if attn else ZERO,
-            mlp=curve(1, 1, mlp_stack),
-        )
-    cost = broadcast_object(cost, 0, groups.world_cpu)
-    logger.info("dp padding cost model (rank 0's timings, seconds per step): %s", cost)
+        monotone = tuple(min(secs[i:]) for i in range(len(secs)))
+        curves[m] = Curve(tuple(float(r) for r in sizes[m]), monotone)
+    cost = broadcast_object(CostModel(**curves), 0, group)
+    logger.info("dp padding cost model (rank 0's timings of a padded step): %s", cost)
     return cost
 
 
@@ -155,11 +116,11 @@ def _bucket(buckets: list[int], n: int) -> int | None:
 class PaddingPlanner:
     """Turns the gathered per-group sizes into a DPStep: mode, and graph bucket or eager."""
 
-    def __init__(
-        self, mode: str, buckets: list[int], dp_rank: int, attn_tp_size: int, cost: CostModel | None
-    ):
-        self.mode, self.dp_rank, self.attn_tp_size, self.cost = mode, dp_rank, attn_tp_size, cost
-        a = attn_tp_size
+    def __init__(self, mode: str, buckets: list[int], topo: Topology):
+        self.mode, self.dp_rank, self.attn_tp_size = mode, topo.dp_rank, topo.attn_tp_size
+        self.dp_size = topo.dp_size
+        self.cost: CostModel | None = None  # auto with several DP groups: set by calibrate()
+        a = topo.attn_tp_size
         # sum_len's buckets count global rows; max_len's count rows per group, a multiple of A.
         self.buckets = {
             "sum_len": sorted(buckets),
@@ -171,7 +132,7 @@ class PaddingPlanner:
         """The modes a padded step can take, each needing its own graphs."""
         if self.mode != "auto":
             return (self.mode,)
-        return ("sum_len", "max_len") if self.cost is not None else ("sum_len",)
+        return ("sum_len", "max_len") if self.dp_size > 1 else ("sum_len",)
 
     def step(self, tokens: list[int], logit_rows: list[int], can_pad: bool) -> DPStep:
         """`can_pad`: every group's batch fits a graph (decode or idle, short enough)."""
