@@ -22,6 +22,8 @@ from dpserve.sampling_params import SamplingParams
         ({"tp_size": 2, "dp_size": 2}, "dp_size=2 without enable_dp_attention"),
         ({"tp_size": 0}, "tp_size and dp_size must be >= 1"),
         ({"dp_padding_mode": "bogus"}, "dp_padding_mode must be one of"),
+        ({"cuda_graph_max_bs": 0}, "cuda_graph_max_bs must be >= 1, got 0"),
+        ({"cuda_graph_bs": [4, 0]}, "cuda_graph_bs must list batch sizes >= 1, got [0, 4]"),
     ],
 )
 def test_bad_layouts(model_dirs, kwargs, message):

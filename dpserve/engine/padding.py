@@ -64,7 +64,10 @@ class CostModel:
 
 
 def calibrate(
-    run_step: Callable[[DPStep], Callable[[], object]], topo: Topology, device: torch.device, group
+    run_step: Callable[[DPStep], Callable[[], object]],
+    topo: Topology,
+    device: torch.device,
+    group: torch.distributed.ProcessGroup | None,
 ) -> CostModel:
     """Times padded all-padding steps of each mode at several sizes; every rank must call it
     together. `run_step(step)` prepares a step and returns the call that runs it.
