@@ -20,7 +20,7 @@ import numpy as np
 from tqdm import tqdm
 
 from dpserve import Engine
-from dpserve.config import PADDING_MODES
+from dpserve.config import DEFAULT_CUDA_GRAPH_MAX_BS, PADDING_MODES
 
 FIRST_PROMPT_ID = 3  # ids below are special tokens (bos, eos, pad) in dpserve's test checkpoints
 
@@ -65,8 +65,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--dp-padding-mode",
         choices=PADDING_MODES,
-        default="sum_len",
-        help="how the MoE input is padded across DP groups",
+        default="auto",
+        help="how the MoE input is padded across DP groups (auto: the cheaper mode per step)",
+    )
+    p.add_argument(
+        "--cuda-graph-max-bs",
+        type=positive_int,
+        default=DEFAULT_CUDA_GRAPH_MAX_BS,
+        help="largest decode graph bucket (padded eager buckets on the CPU)",
+    )
+    p.add_argument(
+        "--disable-cuda-graph", action="store_true", help="decode eagerly without padding to buckets"
     )
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: cuda if present")
     p.add_argument(
@@ -160,6 +169,7 @@ def run_batch(engine: Engine, args: argparse.Namespace, batch: int) -> dict:
         "median_decode_latency": decode_latency,
         "median_decode_throughput": batch / decode_latency if decode else None,
         "median_decode_mlp_rows": statistics.median(s.mlp_rows for s in decode) if decode else None,
+        "decode_graph_steps": sum(s.graph for s in decode),
         "total_latency": total,
         "overall_throughput": (args.input_len + args.output_len) * batch / total,
     }
@@ -177,7 +187,7 @@ def report(r: dict) -> str:
             f"throughput: {r['prefill_throughput']:9.2f} token/s ({r['prefill_steps']} steps)",
             f"Decode.  median latency: {fmt(r['median_decode_latency'], '6.5f')} s, "
             f"median throughput: {fmt(r['median_decode_throughput'], '9.2f')} token/s "
-            f"({r['decode_steps']} full-batch steps)",
+            f"({r['decode_steps']} full-batch steps, {r['decode_graph_steps']} padded/graph)",
             f"Total. latency: {r['total_latency']:6.3f} s, "
             f"throughput: {r['overall_throughput']:9.2f} token/s",
         ]
@@ -220,6 +230,8 @@ def main(argv: list[str] | None = None) -> None:
         random_seed=args.seed,
         max_total_tokens=args.max_total_tokens,
         dp_padding_mode=args.dp_padding_mode,
+        cuda_graph_max_bs=args.cuda_graph_max_bs,
+        disable_cuda_graph=args.disable_cuda_graph,
         chunked_prefill_size=args.chunked_prefill_size,
         max_running_requests=args.max_running_requests,
         log_level=args.log_level,

@@ -6,7 +6,14 @@ from dataclasses import dataclass
 
 from dpserve.distributed import Topology
 
-PADDING_MODES = ("sum_len", "max_len")
+PADDING_MODES = ("auto", "sum_len", "max_len")
+DEFAULT_CUDA_GRAPH_MAX_BS = 128
+
+
+def graph_batch_sizes(max_bs: int) -> list[int]:
+    """The default decode buckets up to `max_bs`: 1, 2, 4, 8, then every multiple of 8, and max_bs."""
+    sizes = [b for b in (1, 2, 4) if b < max_bs] + list(range(8, max_bs, 8))
+    return [*sizes, max_bs]
 
 
 @dataclass
@@ -23,7 +30,10 @@ class EngineConfig:
     kv_cache_memory_gb: float | None = None  # KV budget per rank (GiB); default depends on device
     max_running_requests: int = 256  # per DP rank
     chunked_prefill_size: int = 2048  # prefill tokens per step, per DP rank
-    dp_padding_mode: str = "sum_len"
+    dp_padding_mode: str = "auto"  # sum_len, max_len, or auto: the cheaper of the two, chosen per step
+    cuda_graph_max_bs: int = DEFAULT_CUDA_GRAPH_MAX_BS  # largest decode bucket (when cuda_graph_bs is unset)
+    cuda_graph_bs: list[int] | None = None  # explicit decode buckets; overrides cuda_graph_max_bs
+    disable_cuda_graph: bool = False  # decode eagerly without padding (on the CPU: no padded path)
     random_seed: int = 0
     dist_init_addr: str | None = None  # host:port of rank 0; a free local port by default
     nnodes: int = 1  # nodes the ranks are spread over; node 0 runs the front end
@@ -53,6 +63,12 @@ class EngineConfig:
             raise ValueError("nnodes > 1 needs dist_init_addr=HOST:PORT (node 0's address, reachable by all)")
         if self.dp_padding_mode not in PADDING_MODES:
             raise ValueError(f"dp_padding_mode must be one of {PADDING_MODES}, got {self.dp_padding_mode!r}")
+        if self.cuda_graph_max_bs < 1:
+            raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
+        if self.cuda_graph_bs is not None:
+            self.cuda_graph_bs = sorted(set(self.cuda_graph_bs))
+            if not self.cuda_graph_bs or self.cuda_graph_bs[0] < 1:
+                raise ValueError(f"cuda_graph_bs must list batch sizes >= 1, got {self.cuda_graph_bs}")
         if self.chunked_prefill_size < 1:
             raise ValueError(f"chunked_prefill_size must be >= 1, got {self.chunked_prefill_size}")
         if self.max_running_requests < 1:
@@ -91,3 +107,10 @@ class EngineConfig:
         if self.enable_dp_attention:
             return 0, Topology(self.tp_size, self.dp_size, rank)
         return rank // self.tp_size, Topology(self.tp_size, 1, rank % self.tp_size)
+
+    @property
+    def graph_buckets(self) -> list[int]:
+        """Decode batch sizes with a captured graph (padded on the CPU); empty when disabled."""
+        if self.disable_cuda_graph:
+            return []
+        return self.cuda_graph_bs or graph_batch_sizes(self.cuda_graph_max_bs)

@@ -10,7 +10,7 @@ import logging
 import signal
 import sys
 
-from dpserve.config import PADDING_MODES, EngineConfig
+from dpserve.config import DEFAULT_CUDA_GRAPH_MAX_BS, PADDING_MODES, EngineConfig
 from dpserve.server.router import LOAD_BALANCE_METHODS
 
 logger = logging.getLogger("dpserve")
@@ -107,9 +107,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sch.add_argument(
         "--dp-padding-mode",
-        default="sum_len",
+        default="auto",
         choices=PADDING_MODES,
-        help="layout of the gathered rows under DP attention (design section 4)",
+        help="how DP groups' decode batches are padded and gathered (design section 4): sum_len pads the "
+        "sum of all groups' tokens to a bucket (one all-reduce), max_len pads every group to the largest "
+        "(all-gather), auto picks the cheaper per step from a cost model calibrated at start-up",
+    )
+    sch.add_argument(
+        "--cuda-graph-max-bs",
+        type=int,
+        default=DEFAULT_CUDA_GRAPH_MAX_BS,
+        help="largest decode bucket (buckets 1, 2, 4, 8, then multiples of 8); captured as CUDA graphs on "
+        "GPU, run as padded steps on the CPU",
+    )
+    sch.add_argument(
+        "--cuda-graph-bs",
+        type=int,
+        nargs="+",
+        default=None,
+        help="explicit decode buckets (overrides max bs)",
+    )
+    sch.add_argument(
+        "--disable-cuda-graph", action="store_true", help="decode eagerly, unpadded (no graphs, no buckets)"
     )
     sch.add_argument("--random-seed", type=int, default=0, help="seed of sampling without a per-request seed")
     srv = p.add_argument_group("server")
@@ -137,6 +156,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_running_requests=args.max_running_requests,
         chunked_prefill_size=args.chunked_prefill_size,
         dp_padding_mode=args.dp_padding_mode,
+        cuda_graph_max_bs=args.cuda_graph_max_bs,
+        cuda_graph_bs=args.cuda_graph_bs,
+        disable_cuda_graph=args.disable_cuda_graph,
         random_seed=args.random_seed,
         dist_init_addr=args.dist_init_addr,
         nnodes=args.nnodes,

@@ -214,6 +214,8 @@ def test_server_info_and_metrics(server):
             f'dpserve_steps_eager_total{{dp_rank="{g}"}}' in m
             and f'dpserve_num_queue_reqs{{dp_rank="{g}"}}' in m
         )
+    # Decode steps so far ran padded to a bucket (the CPU's stand-in for graphs), and are counted so.
+    assert sum(m[f'dpserve_steps_graph_total{{dp_rank="{g}"}}'] for g in (0, 1)) > 0
     assert httpx.get(f"{server.url}/health").status_code == 200
     assert httpx.get(f"{server.url}/v1/models").json()["data"][0]["max_model_len"] == 512
 

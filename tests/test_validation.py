@@ -27,6 +27,8 @@ from dpserve.sampling_params import SamplingParams
         ({"nnodes": 2, "node_rank": 2}, "node_rank=2 must be in [0, nnodes=2)"),
         ({"tp_size": 0}, "tp_size and dp_size must be >= 1"),
         ({"dp_padding_mode": "bogus"}, "dp_padding_mode must be one of"),
+        ({"cuda_graph_max_bs": 0}, "cuda_graph_max_bs must be >= 1, got 0"),
+        ({"cuda_graph_bs": [4, 0]}, "cuda_graph_bs must list batch sizes >= 1, got [0, 4]"),
     ],
 )
 def test_bad_layouts(model_dirs, kwargs, message):

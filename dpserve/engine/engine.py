@@ -53,6 +53,7 @@ def server_info(cfg: EngineConfig, dp_info: list[dict]) -> dict:
         "enable_dp_attention": cfg.enable_dp_attention,
         "nnodes": cfg.nnodes,
         "dp_padding_mode": cfg.dp_padding_mode,
+        "graph_buckets": cfg.graph_buckets,
         "chunked_prefill_size": cfg.chunked_prefill_size,
         "dp_ranks": [
             {

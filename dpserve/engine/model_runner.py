@@ -1,8 +1,13 @@
-"""One rank's model, KV pool, and the step that turns a StepPlan into logits."""
+"""One rank's model, KV pool, and the step that turns a StepPlan into logits.
+
+Decode steps that fit a bucket run padded (design section 4): as CUDA graphs on the GPU,
+eagerly with the very same padded batches on the CPU.
+"""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -10,6 +15,8 @@ from dpserve.attention.paged import AttentionMetadata
 from dpserve.config import EngineConfig
 from dpserve.distributed import Groups
 from dpserve.engine.batch import ForwardBatch
+from dpserve.engine.graph_runner import GRAPH_MAX_KV_LEN, CudaGraphRunner
+from dpserve.engine.padding import PaddingPlanner, calibrate
 from dpserve.kvcache.pool import KVPool
 from dpserve.layers.dp_attention import DPStep
 from dpserve.models.checkpoint import CheckpointReader
@@ -58,6 +65,11 @@ class ModelRunner:
             self.max_total_num_tokens * self.kv_bytes_per_token / 2**20,
         )
         self.slots = RequestSlots()
+        self.graph_kv_len = min(model_cfg.context_len, GRAPH_MAX_KV_LEN)
+        self.planner = PaddingPlanner(cfg.dp_padding_mode, cfg.graph_buckets, self.topo)
+        self.graphs = CudaGraphRunner(self) if cfg.device == "cuda" and cfg.graph_buckets else None
+        if cfg.dp_padding_mode == "auto" and self.topo.dp_size > 1:
+            self.planner.cost = calibrate(self._idle_step, self.topo, self.device, groups.world_cpu)
 
     def _kv_capacity(self) -> int:
         if self.cfg.max_total_tokens is not None:
@@ -76,29 +88,50 @@ class ModelRunner:
             )
         return tokens
 
-    def make_step(self, tokens: list[int], logit_rows: list[int]) -> DPStep:
-        return DPStep(
-            mode=self.cfg.dp_padding_mode,
-            tokens=tuple(tokens),
-            logit_rows=tuple(logit_rows),
-            dp_rank=self.topo.dp_rank,
-            attn_tp_size=self.topo.attn_tp_size,
-        )
+    def can_use_graph(self, plan: StepPlan) -> bool:
+        """Whether this group's batch fits a padded decode graph (decode or idle, KV short enough)."""
+        if plan.mode == "extend" or not self.cfg.graph_buckets:
+            return False
+        return all(len(self.slots.slots[rid]) <= self.graph_kv_len for rid in plan.rids)
+
+    def make_step(self, tokens: list[int], logit_rows: list[int], can_pad: bool) -> DPStep:
+        """The step's layout from every group's sizes; `can_pad`: every group can use a graph."""
+        return self.planner.step(tokens, logit_rows, can_pad)
 
     def forward(self, plan: StepPlan, step: DPStep) -> torch.Tensor:
         """Runs the model on this group's plan (possibly empty); returns logits of sampled rows."""
+        batch = self._batch(plan, step)
+        return self.model.compute_logits(self._hidden(batch), batch)
+
+    def _hidden(self, batch: ForwardBatch) -> torch.Tensor:
+        if self.graphs is not None and self.graphs.has(batch.step):
+            return self.graphs.replay(batch)
+        return self.model.forward_hidden(batch, self.pool)
+
+    def _idle_step(self, step: DPStep) -> Callable[[], torch.Tensor]:
+        """A padded step with no real rows, run as decode steps run (for the cost model)."""
+        batch = self._batch(StepPlan(), step)
+        return lambda: self._hidden(batch)
+
+    def _batch(self, plan: StepPlan, step: DPStep) -> ForwardBatch:
         dev = self.device
         q_lens = [len(t) for t in plan.new_tokens]
         kv_slots = [self.slots.slots[rid] for rid in plan.rids]
         positions = [len(s) - q + i for s, q in zip(kv_slots, q_lens, strict=True) for i in range(q)]
         ends = torch.tensor(q_lens, dtype=torch.long).cumsum(0) - 1
         logit_idx = ends[torch.tensor(plan.sample, dtype=torch.bool)]
-        batch = ForwardBatch(
-            input_ids=torch.tensor([t for ts in plan.new_tokens for t in ts], dtype=torch.long, device=dev),
-            positions=torch.tensor(positions, dtype=torch.long, device=dev),
-            out_slots=torch.tensor([s for ss in plan.new_slots for s in ss], dtype=torch.long, device=dev),
-            attn=AttentionMetadata.build(q_lens, kv_slots, dev),
+        # Padded rows: token 0 at position 0, one per padded request, in the reserved slot 0.
+        pad = step.local_rows - plan.num_tokens
+        return ForwardBatch(
+            input_ids=torch.tensor(
+                [t for ts in plan.new_tokens for t in ts] + [0] * pad, dtype=torch.long, device=dev
+            ),
+            positions=torch.tensor(positions + [0] * pad, dtype=torch.long, device=dev),
+            out_slots=torch.tensor(
+                [s for ss in plan.new_slots for s in ss] + [0] * pad, dtype=torch.long, device=dev
+            ),
+            attn=AttentionMetadata.build(q_lens + [1] * pad, kv_slots + [[0]] * pad, dev),
             logit_idx=logit_idx.to(dev),
             step=step,
+            row_index=torch.tensor(step.row_index(), dtype=torch.long, device=dev),
         )
-        return self.model(batch, self.pool)

@@ -2,8 +2,9 @@
 
 1. the group leader drains its request socket and schedules a StepPlan;
 2. the plan is broadcast inside the group (ATTN_TP, CPU);
-3. every rank all-gathers (tokens, rows to sample, shutdown) over the CPU group, so all
-   agree on the step's layout; when every group is idle no forward runs;
+3. every rank all-gathers (tokens, rows to sample, mode, shutdown, can use a graph) over the
+   CPU group, so all agree on the step's layout (padding mode, graph bucket); when every
+   group is idle no forward runs;
 4. the forward joins every WORLD collective, idle groups with zero rows;
 5. the leader samples, updates its requests and sends finished outputs to the front end.
 """
@@ -50,6 +51,8 @@ class StepRecord:
     tokens: tuple[int, ...]  # real tokens of every DP group
     mlp_rows: int  # rows the MoE/MLP processed (real + padding)
     seconds: float
+    real_rows: int  # real tokens of all groups (the MoE rows without padding)
+    graph: bool  # padded to a graph bucket (a CUDA graph replay on GPU); False: eager
 
 
 @dataclass(frozen=True)
@@ -136,14 +139,20 @@ def _serve(rank: int, cfg: EngineConfig, addrs: WorkerAddresses, ctx: zmq.Contex
             plan.shutdown = shutdown
         plan: StepPlan = broadcast_object(plan, leader_rank, groups.attn_tp_cpu)
         runner.slots.apply(plan)
-        local = [plan.num_tokens, plan.num_samples, MODE_CODES[plan.mode], int(plan.shutdown)]
+        local = [
+            plan.num_tokens,
+            plan.num_samples,
+            MODE_CODES[plan.mode],
+            int(plan.shutdown),
+            int(runner.can_use_graph(plan)),
+        ]
         meta = all_gather_ints(local, groups.world_cpu)[:: topo.attn_tp_size]  # one row per DP group
         if meta[:, 3].any():
             break
         idle = not meta[:, 0].any()
         if not idle:
             start = time.perf_counter()
-            step = runner.make_step(meta[:, 0].tolist(), meta[:, 1].tolist())
+            step = runner.make_step(meta[:, 0].tolist(), meta[:, 1].tolist(), can_pad=bool(meta[:, 4].all()))
             logits = runner.forward(plan, step)
         if scheduler is None:
             continue
@@ -151,7 +160,7 @@ def _serve(rank: int, cfg: EngineConfig, addrs: WorkerAddresses, ctx: zmq.Contex
             if plan.num_samples:
                 tokens, logprobs = sample(logits, *scheduler.sampling_inputs(plan))
                 report.add(*scheduler.process_samples(plan, tokens, logprobs))
-            steps["eager"] += 1
+            steps["graph" if step.graph else "eager"] += 1
             step_log.append(
                 StepRecord(
                     kind=MODES[int(meta[:, 2].max())],
@@ -160,6 +169,8 @@ def _serve(rank: int, cfg: EngineConfig, addrs: WorkerAddresses, ctx: zmq.Contex
                     tokens=step.tokens,
                     mlp_rows=step.mlp_rows,
                     seconds=time.perf_counter() - start,
+                    real_rows=step.total_tokens,
+                    graph=step.graph,
                 )
             )
         if report.changed or plan.rids:

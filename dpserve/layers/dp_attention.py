@@ -8,6 +8,12 @@ own rows back. Two layouts of the global rows:
     sum_len: rows [off_g, off_g + n_g) of an S-row buffer; one all-reduce over WORLD each way.
     max_len: every group padded to M rows (a multiple of A); reduce-scatter + all-gather.
 
+Padded (graph) steps fix the shapes to a bucket (design section 4): sum_len's buffer has
+bucket(S) rows and every rank's local batch bucket(S) rows, of which its group's n_g are
+real; max_len's M is the bucket. Where a local row lands is a device tensor (`row_index`,
+written before a graph replays), so one graph serves any split of the tokens; padded local
+rows land in a spare row past the end of the sum_len buffer and are zeroed there.
+
 The residual is folded into the attention partials on attn_tp_rank 0 so the gather
 also yields the post-attention residual of every row.
 """
@@ -17,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from dpserve.distributed import Groups, all_gather, all_reduce, reduce_scatter
 
@@ -30,6 +37,11 @@ class DPStep:
     logit_rows: tuple[int, ...]  # rows to sample for each DP group
     dp_rank: int
     attn_tp_size: int
+    bucket: int | None = None  # graph size (sum_len: global rows, max_len: M); None: eager, unpadded
+
+    @property
+    def graph(self) -> bool:
+        return self.bucket is not None
 
     @property
     def total_tokens(self) -> int:
@@ -47,14 +59,28 @@ class DPStep:
     def padded_len(self) -> int:
         """M: the largest group's tokens rounded up to a multiple of the attention TP size."""
         a = self.attn_tp_size
-        return -(-max(self.tokens) // a) * a
+        return -(-(self.bucket or max(self.tokens)) // a) * a
 
     @property
     def mlp_rows(self) -> int:
-        """Rows the MoE/MLP processes on every rank in this step."""
+        """Rows the MoE/MLP processes on every rank in this step (the gathered buffer)."""
         if self.mode == "sum_len":
-            return self.total_tokens
+            return self.bucket or self.total_tokens
         return len(self.tokens) * self.padded_len
+
+    @property
+    def local_rows(self) -> int:
+        """Rows of this rank's batch: its group's tokens, padded up in a graph step."""
+        if not self.graph:
+            return self.local_tokens
+        return self.bucket if self.mode == "sum_len" else self.padded_len
+
+    def row_index(self) -> list[int]:
+        """Row of the gathered buffer of each local row; padded sum_len rows get the spare row."""
+        n, pad = self.local_tokens, self.local_rows - self.local_tokens
+        if self.mode == "sum_len":
+            return list(range(self.offset, self.offset + n)) + [self.mlp_rows] * pad
+        return list(range(self.dp_rank * self.padded_len, (self.dp_rank + 1) * self.padded_len))[: n + pad]
 
 
 class DPAttentionComm:
@@ -63,29 +89,35 @@ class DPAttentionComm:
         self.is_leader = groups.topo.is_group_leader
 
     def gather(
-        self, attn_partial: torch.Tensor, residual: torch.Tensor, step: DPStep
+        self, attn_partial: torch.Tensor, residual: torch.Tensor, step: DPStep, row_index: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (global rows: attention output + residual, this rank's kept residual rows)."""
+        """Returns (global rows: attention output + residual, this rank's kept residual rows).
+
+        Shapes depend only on the step's bucket (or sizes when eager); `row_index` is
+        `step.row_index()` as a device tensor.
+        """
         hidden = attn_partial + residual if self.is_leader else attn_partial
-        n = step.local_tokens
         if step.mode == "sum_len":
-            buf = hidden.new_zeros((step.total_tokens, hidden.shape[1]))
-            buf[step.offset : step.offset + n] = hidden
+            rows = step.mlp_rows
+            buf = hidden.new_zeros((rows + 1, hidden.shape[1]))
+            buf.index_copy_(0, row_index, hidden)
             all_reduce(buf, self.groups.world)
-            return buf, buf[step.offset : step.offset + n]
+            buf[rows] = 0  # the spare row summed every padded row; zero keeps them zero in later layers
+            return buf[:rows], buf.index_select(0, row_index)
         buf = hidden.new_zeros((step.padded_len, hidden.shape[1]))
-        buf[:n] = hidden
+        buf[: hidden.shape[0]] = hidden
         chunk = reduce_scatter(buf, self.groups.attn_tp)  # M/A summed rows of this group
         return all_gather(chunk, self.groups.world), chunk
 
-    def scatter(self, mlp_partial: torch.Tensor, kept_residual: torch.Tensor, step: DPStep) -> torch.Tensor:
-        """Reduces the MLP partial sums over WORLD, adds the residual, returns the group's n_g rows."""
-        n = step.local_tokens
+    def scatter(
+        self, mlp_partial: torch.Tensor, kept_residual: torch.Tensor, step: DPStep, row_index: torch.Tensor
+    ) -> torch.Tensor:
+        """Reduces the MLP partial sums over WORLD, adds the residual, returns this rank's local rows."""
         if step.mode == "sum_len":
             all_reduce(mlp_partial, self.groups.world)
-            return mlp_partial[step.offset : step.offset + n] + kept_residual
+            return F.pad(mlp_partial, (0, 0, 0, 1)).index_select(0, row_index) + kept_residual
         chunk = reduce_scatter(mlp_partial, self.groups.world) + kept_residual
-        return all_gather(chunk, self.groups.attn_tp)[:n]
+        return all_gather(chunk, self.groups.attn_tp)[: step.local_rows]
 
     def gather_logit_rows(self, rows: torch.Tensor, step: DPStep) -> tuple[torch.Tensor, int]:
         """Assembles every group's rows to sample (for the WORLD vocab-parallel LM head).

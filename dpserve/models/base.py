@@ -30,9 +30,9 @@ class DecoderLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
         attn_partial = self.self_attn(self.input_layernorm(hidden), batch, pool)
-        global_rows, residual = self.comm.gather(attn_partial, hidden, batch.step)
+        global_rows, residual = self.comm.gather(attn_partial, hidden, batch.step, batch.row_index)
         mlp_partial = self.mlp(self.post_attention_layernorm(global_rows))
-        return self.comm.scatter(mlp_partial, residual, batch.step)
+        return self.comm.scatter(mlp_partial, residual, batch.step, batch.row_index)
 
 
 class CausalLM(nn.Module):
@@ -52,9 +52,19 @@ class CausalLM(nn.Module):
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
         """Returns the full-vocabulary logits (float32) of this group's rows to sample."""
+        return self.compute_logits(self.forward_hidden(batch, pool), batch)
+
+    @torch.no_grad()
+    def forward_hidden(self, batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
+        """Embedding and decoder layers: the fixed-shape part a CUDA graph captures."""
         hidden = self.embed_tokens(batch.input_ids)
         for layer in self.layers:
             hidden = layer(hidden, batch, pool)
+        return hidden
+
+    @torch.no_grad()
+    def compute_logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Final norm and the vocabulary-parallel LM head on the rows to sample."""
         rows = self.norm(hidden[batch.logit_idx])
         rows, offset = self.comm.gather_logit_rows(rows, batch.step)
         shard = F.linear(rows, self.lm_head).float()  # [rows, vocab_shard]

@@ -1,0 +1,101 @@
+"""CUDA graphs of padded decode steps, one per (padding mode, bucket) (design section 4).
+
+Every rank captures the same graphs in the same order at start-up (they contain WORLD and
+ATTN_TP collectives). A replay copies the step's inputs into static buffers: token ids,
+positions, KV slots, the attention slot table and mask (padded to a fixed KV width), and
+`row_index`, where each local row sits in the gathered buffer. The graph's shapes depend on
+the bucket alone, so one graph serves any split of the tokens over the DP groups, and an
+idle group replays it with zero real rows. On the CPU the same padded batches run eagerly.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from tqdm import tqdm
+
+from dpserve.attention.paged import AttentionMetadata
+from dpserve.engine.batch import ForwardBatch
+from dpserve.layers.dp_attention import DPStep
+
+if TYPE_CHECKING:
+    from dpserve.engine.model_runner import ModelRunner
+
+# Keys a graph's attention reads per request: a decode step whose longest request holds more
+# KV than this runs eagerly (and is counted as an eager step).
+GRAPH_MAX_KV_LEN = 4096
+
+
+class CudaGraphRunner:
+    def __init__(self, runner: ModelRunner):
+        self.model, self.pool = runner.model, runner.pool
+        topo, planner, dev = runner.topo, runner.planner, runner.device
+        steps = [
+            DPStep(mode, (0,) * topo.dp_size, (0,) * topo.dp_size, topo.dp_rank, topo.attn_tp_size, bucket)
+            for mode in planner.graph_modes
+            for bucket in planner.buckets[mode]
+        ]
+        steps.sort(key=lambda s: -s.local_rows)  # largest first: the smaller graphs reuse its memory
+        rows, kv = steps[0].local_rows, runner.graph_kv_len
+        self.input_ids = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.positions = torch.zeros_like(self.input_ids)
+        self.out_slots = torch.zeros_like(self.input_ids)
+        self.row_index = torch.zeros_like(self.input_ids)
+        self.slot_table = torch.zeros(rows, kv, dtype=torch.long, device=dev)
+        self.mask = torch.zeros(rows, 1, 1, kv, dtype=torch.bool, device=dev)
+        self.mask[..., 0] = True  # capture warm-up rows attend to slot 0 only (finite, no real KV)
+        self.token_req = torch.arange(rows, device=dev)
+        self.token_col = torch.zeros_like(self.input_ids)
+        self.graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        mempool = torch.cuda.graph_pool_handle()
+        for step in tqdm(steps, desc="Capturing CUDA graphs", unit="graph", disable=topo.rank != 0):
+            batch = self._static_batch(step)
+            n = step.local_rows
+            self.row_index[:n].copy_(torch.tensor(step.row_index()))  # an idle step's layout
+            for _ in range(2):  # eager warm-up: allocator, kernels and communicators in place
+                self.model.forward_hidden(batch, self.pool)
+            torch.cuda.synchronize(dev)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=mempool):
+                out = self.model.forward_hidden(batch, self.pool)
+            self.graphs[(step.mode, step.bucket)] = (graph, out)
+        torch.cuda.synchronize(dev)
+
+    def _static_batch(self, step: DPStep) -> ForwardBatch:
+        n = step.local_rows
+        attn = AttentionMetadata(
+            self.slot_table[:n], self.mask[:n], self.token_req[:n], self.token_col[:n], 1
+        )
+        return ForwardBatch(
+            input_ids=self.input_ids[:n],
+            positions=self.positions[:n],
+            out_slots=self.out_slots[:n],
+            attn=attn,
+            logit_idx=self.input_ids[:0],
+            step=step,
+            row_index=self.row_index[:n],
+        )
+
+    def has(self, step: DPStep) -> bool:
+        return (step.mode, step.bucket) in self.graphs
+
+    def replay(self, batch: ForwardBatch) -> torch.Tensor:
+        """Runs a padded decode batch through its graph; returns the hidden rows (a static buffer,
+        valid until the next replay)."""
+        step = batch.step
+        graph, out = self.graphs[(step.mode, step.bucket)]
+        n, kv = step.local_rows, batch.attn.slot_table.shape[1]
+        for static, value in (
+            (self.input_ids, batch.input_ids),
+            (self.positions, batch.positions),
+            (self.out_slots, batch.out_slots),
+            (self.row_index, batch.row_index),
+        ):
+            static[:n].copy_(value)
+        self.slot_table[:n].zero_()
+        self.slot_table[:n, :kv].copy_(batch.attn.slot_table)
+        self.mask[:n].zero_()
+        self.mask[:n, ..., :kv].copy_(batch.attn.mask)
+        graph.replay()
+        return out

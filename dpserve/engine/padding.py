@@ -1,0 +1,155 @@
+"""Per-step choice of the DP padding mode and graph bucket (design section 4).
+
+Every rank calls `PaddingPlanner.step` with the same gathered per-group sizes and the same
+cost model (rank 0's calibration, broadcast at start-up), so every rank derives the same
+mode and bucket without exchanging anything else.
+
+`auto` compares, per step, what each mode's collectives and MoE/MLP work cost at the step's
+size. Both are measured together at start-up, on the real process groups: a few padded
+steps with every row padding, per mode and size (the DP gathers and scatters over WORLD
+and ATTN_TP, the MoE on the gathered rows, and attention on the padded local rows), run
+exactly as decode steps run (CUDA graph replays where captured). Timing the collectives in
+place rather than alone matters: on a shared CPU a collective costs mostly the wait for
+the slowest peer, which an isolated loop of all-reduces hides.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from dpserve.distributed import Topology, broadcast_object
+from dpserve.layers.dp_attention import DPStep
+
+logger = logging.getLogger(__name__)
+
+CALIBRATION_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)  # sum_len global rows; max_len rows per group
+CALIBRATION_REPS = 5  # timed runs per mode and size (median)
+
+
+@dataclass(frozen=True)
+class Curve:
+    """Seconds against rows: linear between measured points, extended along the end segments."""
+
+    rows: tuple[float, ...]
+    seconds: tuple[float, ...]
+
+    def __call__(self, rows: float) -> float:
+        x, y = self.rows, self.seconds
+        if len(x) == 1:
+            return y[0]
+        i = min(max(bisect.bisect_left(x, rows), 1), len(x) - 1)
+        slope = (y[i] - y[i - 1]) / (x[i] - x[i - 1])
+        return max(y[i - 1] + slope * (rows - x[i - 1]), 0.0)
+
+    def __str__(self) -> str:
+        return " ".join(f"{r:g}:{s * 1e3:.2f}ms" for r, s in zip(self.rows, self.seconds, strict=True))
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Seconds of one step's DP collectives and MoE/MLP work (all layers) in each mode."""
+
+    sum_len: Curve  # by rows of the sum_len buffer
+    max_len: Curve  # by M, the rows of each group
+
+    def __str__(self) -> str:
+        return f"sum_len by rows [{self.sum_len}]; max_len by rows per group [{self.max_len}]"
+
+
+def calibrate(
+    run_step: Callable[[DPStep], Callable[[], object]],
+    topo: Topology,
+    device: torch.device,
+    group: torch.distributed.ProcessGroup | None,
+) -> CostModel:
+    """Times padded all-padding steps of each mode at several sizes; every rank must call it
+    together. `run_step(step)` prepares a step and returns the call that runs it.
+
+    Returns rank 0's cost model on every rank, so that all ranks choose alike.
+    """
+    a, dp = topo.attn_tp_size, topo.dp_size
+    sizes = {
+        "sum_len": sorted(set(CALIBRATION_SIZES)),
+        "max_len": sorted({-(-r // a) * a for r in CALIBRATION_SIZES}),
+    }
+    seconds: dict[str, list[float]] = {m: [] for m in sizes}
+
+    def timed(run: Callable[[], object]) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - start
+
+    runs = {
+        m: [run_step(DPStep(m, (0,) * dp, (0,) * dp, topo.dp_rank, a, size)) for size in sizes[m]]
+        for m in sizes
+    }
+    for m in sizes:
+        runs[m][0]()  # warm-up
+    # Modes interleaved size by size, so that a slow spell of the machine hits both alike.
+    for i in range(len(CALIBRATION_SIZES)):
+        for m in sizes:
+            if i < len(runs[m]):
+                seconds[m].append(statistics.median(timed(runs[m][i]) for _ in range(CALIBRATION_REPS)))
+    curves = {}
+    for m, secs in seconds.items():
+        # More rows never cost less: a spike from a descheduled peer must not outweigh larger sizes.
+        monotone = tuple(min(secs[i:]) for i in range(len(secs)))
+        curves[m] = Curve(tuple(float(r) for r in sizes[m]), monotone)
+    cost = broadcast_object(CostModel(**curves), 0, group)
+    logger.info("dp padding cost model (rank 0's timings of a padded step): %s", cost)
+    return cost
+
+
+def _bucket(buckets: list[int], n: int) -> int | None:
+    i = bisect.bisect_left(buckets, n)
+    return buckets[i] if i < len(buckets) else None
+
+
+class PaddingPlanner:
+    """Turns the gathered per-group sizes into a DPStep: mode, and graph bucket or eager."""
+
+    def __init__(self, mode: str, buckets: list[int], topo: Topology):
+        self.mode, self.dp_rank, self.attn_tp_size = mode, topo.dp_rank, topo.attn_tp_size
+        self.dp_size = topo.dp_size
+        self.cost: CostModel | None = None  # auto with several DP groups: set by calibrate()
+        a = topo.attn_tp_size
+        # sum_len's buckets count global rows; max_len's count rows per group, a multiple of A.
+        self.buckets = {
+            "sum_len": sorted(buckets),
+            "max_len": sorted({-(-b // a) * a for b in buckets}),
+        }
+
+    @property
+    def graph_modes(self) -> tuple[str, ...]:
+        """The modes a padded step can take, each needing its own graphs."""
+        if self.mode != "auto":
+            return (self.mode,)
+        return ("sum_len", "max_len") if self.dp_size > 1 else ("sum_len",)
+
+    def step(self, tokens: list[int], logit_rows: list[int], can_pad: bool) -> DPStep:
+        """`can_pad`: every group's batch fits a graph (decode or idle, short enough)."""
+        a = self.attn_tp_size
+        sizes = {"sum_len": sum(tokens), "max_len": max(tokens)}
+        buckets = {m: _bucket(self.buckets[m], n) if can_pad else None for m, n in sizes.items()}
+        mode = self.mode
+        if mode == "auto":
+            if self.cost is None:  # one DP group: both modes are the same but for rounding
+                mode = "sum_len"
+            elif buckets["sum_len"] is None and buckets["max_len"] is not None:
+                mode = "max_len"  # the sum outgrew the largest graph; the largest group did not
+            else:
+                rows = buckets["sum_len"] or sizes["sum_len"]
+                m = buckets["max_len"] or -(-sizes["max_len"] // a) * a
+                mode = "sum_len" if self.cost.sum_len(rows) <= self.cost.max_len(m) else "max_len"
+        return DPStep(mode, tuple(tokens), tuple(logit_rows), self.dp_rank, a, buckets[mode])
