@@ -61,3 +61,15 @@ def test_stop_on_eos():
     _, finished = step(s, token=1)
     assert finished[0]["finish_reason"] == {"type": "stop", "matched": 1}
     assert finished[0]["output_ids"] == [1]
+
+
+def test_decoding_requests_ride_along_in_prefill_steps():
+    s = make(capacity=100, chunk=8)
+    s.add(request("a", 4))
+    step(s)  # a prefills and samples its first token
+    s.add(request("b", 20))
+    plan, _ = step(s)
+    # b's first chunk (8 - 1 tokens: a's decode token counts against the budget) and a's decode.
+    assert plan.mode == "extend" and plan.rids == ["b", "a"]
+    assert [len(t) for t in plan.new_tokens] == [7, 1] and plan.sample == [False, True]
+    assert plan.new_tokens[1] == [7] and len(s.running[0].output_ids) == 2

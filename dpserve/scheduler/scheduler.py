@@ -12,9 +12,10 @@ from dpserve.scheduler.request import GenerateRequest, Req, check_request_fits
 
 
 class Scheduler:
-    """Prefill first (chunked to `chunk_size` tokens per step), otherwise decode every running
-    request. A request is admitted only when its whole KV need (prompt + max_new_tokens) can be
-    reserved, so running requests never run out of slots; the rest wait in the queue."""
+    """Continuous batching: a step prefills waiting prompts (chunked, `chunk_size` tokens per step
+    including the decode tokens that ride along) and decodes every running request. A request is
+    admitted only when its whole KV need (prompt + max_new_tokens) can be reserved, so running
+    requests never run out of slots; the rest wait in the queue."""
 
     def __init__(
         self,
@@ -69,7 +70,10 @@ class Scheduler:
         return plan
 
     def _schedule_extend(self) -> StepPlan | None:
-        plan, budget = StepPlan(mode="extend"), self.chunk_size
+        # Requests already decoding ride along in the prefill step (mixed batch), so new arrivals
+        # never stall them; their tokens count against the step's budget.
+        decoding = [r for r in self.running if r.prefill_done]
+        plan, budget = StepPlan(mode="extend"), self.chunk_size - len(decoding)
         # A request whose prompt was split into chunks continues first.
         for req in self.running:
             if not req.prefill_done and budget > 0:
@@ -82,7 +86,11 @@ class Scheduler:
             self.reserved += req.reserved_tokens
             self.running.append(req)
             budget -= self._add_chunk(plan, req, budget)
-        return plan if plan.rids else None
+        if not plan.rids:
+            return None
+        for req in decoding:
+            self._add_decode(plan, req)
+        return plan
 
     def _add_chunk(self, plan: StepPlan, req: Req, budget: int) -> int:
         n = min(budget, len(req.input_ids) - req.kv_len)
@@ -97,12 +105,15 @@ class Scheduler:
     def _schedule_decode(self) -> StepPlan:
         plan = StepPlan(mode="decode" if self.running else "idle")
         for req in self.running:
-            plan.rids.append(req.rid)
-            plan.new_tokens.append([req.output_ids[-1]])
-            plan.new_slots.append(self.allocator.alloc(1))
-            plan.sample.append(True)
-            req.kv_len += 1
+            self._add_decode(plan, req)
         return plan
+
+    def _add_decode(self, plan: StepPlan, req: Req) -> None:
+        plan.rids.append(req.rid)
+        plan.new_tokens.append([req.output_ids[-1]])
+        plan.new_slots.append(self.allocator.alloc(1))
+        plan.sample.append(True)
+        req.kv_len += 1
 
     def sampling_inputs(self, plan: StepPlan) -> tuple[list, list[torch.Generator]]:
         """Sampling parameters and generators of the plan's requests that sample this step."""
