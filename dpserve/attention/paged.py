@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass
@@ -50,9 +51,12 @@ class AttentionMetadata:
         return x[self.token_req, self.token_col]
 
 
-def _softmax_attend(scores: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-    scores = scores.masked_fill(~meta.mask, float("-inf"))
-    return scores.softmax(-1, dtype=torch.float32)
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, scale: float):
+    """q [batch, heads, q_max, d] against k [batch, kv_heads, kv_max, d], v [..., dv]; kv_heads
+    divides heads (grouped-query, or one shared latent for MLA), never expanded in memory."""
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=meta.mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
+    )
 
 
 def mla_attention(
@@ -60,23 +64,17 @@ def mla_attention(
 ) -> torch.Tensor:
     """Absorbed MLA: q_latent [tokens, heads, rank + rope] against the cached latent
     [slots, rank + rope]; returns the attended latent [tokens, heads, rank]."""
-    kv = latent_cache[meta.slot_table]  # [batch, kv_max, rank + rope]
-    q = meta.pack(q_latent)  # [batch, q_max, heads, rank + rope]
-    scores = torch.einsum("bqhd,bkd->bhqk", q.float(), kv.float()) * scale
-    probs = _softmax_attend(scores, meta)
-    out = torch.einsum("bhqk,bkd->bqhd", probs, kv[..., :rank].float())
-    return meta.unpack(out).to(q_latent.dtype)
+    kv = latent_cache[meta.slot_table].unsqueeze(1)  # [batch, 1, kv_max, rank + rope]
+    q = meta.pack(q_latent).transpose(1, 2)  # [batch, heads, q_max, rank + rope]
+    out = _attend(q, kv, kv[..., :rank], meta, scale)
+    return meta.unpack(out.transpose(1, 2))
 
 
 def mha_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
     """GQA: q [tokens, heads, dim] against cached k/v [slots, kv_heads, dim]."""
-    k = k_cache[meta.slot_table].float()  # [batch, kv_max, kv_heads, dim]
-    v = v_cache[meta.slot_table].float()
-    rep = q.shape[1] // k.shape[2]
-    k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
-    scores = torch.einsum("bqhd,bkhd->bhqk", meta.pack(q).float(), k) * scale
-    probs = _softmax_attend(scores, meta)
-    out = torch.einsum("bhqk,bkhd->bqhd", probs, v)
-    return meta.unpack(out).to(q.dtype)
+    k = k_cache[meta.slot_table].transpose(1, 2)  # [batch, kv_heads, kv_max, dim]
+    v = v_cache[meta.slot_table].transpose(1, 2)
+    out = _attend(meta.pack(q).transpose(1, 2), k, v, meta, scale)
+    return meta.unpack(out.transpose(1, 2))

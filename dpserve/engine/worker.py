@@ -67,7 +67,8 @@ def run_worker(rank: int, cfg: EngineConfig, addrs: WorkerAddresses) -> None:
     logging.basicConfig(level=cfg.log_level.upper(), format=f"[rank {rank}] %(levelname)s %(message)s")
     _leave_signals_to_front_end()
     if cfg.device == "cpu":
-        torch.set_num_threads(1)
+        # The node's cores shared out between its ranks: more threads than cores only thrash.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.ranks_per_node))
     ctx = zmq.Context()
     out = ctx.socket(zmq.PUSH)
     out.connect(addrs.outputs)
