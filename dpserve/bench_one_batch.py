@@ -20,16 +20,10 @@ import numpy as np
 from tqdm import tqdm
 
 from dpserve import Engine
+from dpserve.cli import positive_int
 from dpserve.config import DEFAULT_CUDA_GRAPH_MAX_BS, PADDING_MODES
 
 FIRST_PROMPT_ID = 3  # ids below are special tokens (bos, eos, pad) in dpserve's test checkpoints
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

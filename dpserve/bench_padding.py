@@ -22,7 +22,8 @@ import numpy as np
 from tqdm import tqdm
 
 from dpserve import Engine
-from dpserve.bench_one_batch import FIRST_PROMPT_ID, positive_int
+from dpserve.bench_one_batch import FIRST_PROMPT_ID
+from dpserve.cli import positive_int
 from dpserve.testing.tiny_models import write_tiny_model
 
 MODES = ("sum_len", "max_len", "auto")
@@ -46,15 +47,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--layouts", type=parse_layout, nargs="+", default=[(2, 2), (4, 2), (4, 4)], help="tp,dp pairs"
     )
-    p.add_argument("--batch-sizes", type=positive_int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
-    p.add_argument("--modes", choices=MODES, nargs="+", default=list(MODES))
+    p.add_argument(
+        "--batch-sizes",
+        type=positive_int,
+        nargs="+",
+        default=[1, 2, 4, 8, 16, 32, 64],
+        help="global batch sizes",
+    )
+    p.add_argument("--modes", choices=MODES, nargs="+", default=list(MODES), help="padding modes to time")
     p.add_argument("--input-len", type=positive_int, default=16, help="prompt tokens per request")
     p.add_argument("--decode-steps", type=positive_int, default=12, help="full-batch decode steps per point")
     p.add_argument("--rounds", type=positive_int, default=2, help="repeats of the whole sweep (median)")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="cpu")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="cpu", help="where the ranks run")
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts (and of the random model)")
     p.add_argument("--out-dir", default=".", help="where padding_sweep.json and padding_sweep.png go")
-    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="warning")
+    p.add_argument(
+        "--log-level",
+        choices=("debug", "info", "warning", "error"),
+        default="warning",
+        help="log level of the ranks",
+    )
     return p.parse_args(argv)
 
 

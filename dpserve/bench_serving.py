@@ -32,6 +32,7 @@ import torch
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from dpserve.cli import positive_int
 from dpserve.models.gguf import resolve_model_path
 
 
@@ -418,13 +419,6 @@ def markdown_table(r: dict[str, Any]) -> str:
             "| " + " | ".join(cells) + " |",
         ]
     )
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

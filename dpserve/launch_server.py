@@ -10,6 +10,7 @@ import logging
 import signal
 import sys
 
+from dpserve.cli import positive_int
 from dpserve.config import DEFAULT_CUDA_GRAPH_MAX_BS, PADDING_MODES, EngineConfig
 from dpserve.server.router import LOAD_BALANCE_METHODS
 
@@ -45,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--tp",
         "--tp-size",
         dest="tp",
-        type=int,
+        type=positive_int,
         default=1,
         help="tensor parallel size: ranks of one instance (MoE/MLP and LM head are split over them)",
     )
@@ -53,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--dp",
         "--dp-size",
         dest="dp",
-        type=int,
+        type=positive_int,
         default=1,
         help="data parallel size: with --enable-dp-attention, attention groups inside the tp ranks "
         "(dp <= tp, tp %% dp == 0); without it, independent replicas of a TP-tp engine (tp*dp ranks)",
@@ -98,7 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="KV budget per rank in GiB (default: 0.25 on CPU, 80%% of free memory on GPU)",
     )
-    sch.add_argument("--max-running-requests", type=int, default=256, help="running requests per DP group")
+    sch.add_argument(
+        "--max-running-requests", type=positive_int, default=256, help="running requests per DP group"
+    )
     sch.add_argument(
         "--chunked-prefill-size",
         type=int,

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 
 import pytest
 from conftest import ARCHS
@@ -67,3 +69,20 @@ def test_intermediate_not_divisible(model_dirs):
 def test_bad_sampling_params(params, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         SamplingParams.from_dict(params)
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--tp", "0"], "argument --tp/--tp-size: must be >= 1, got 0"),
+        (["--tp", "4", "--dp", "3", "--enable-dp-attention"], "tp_size=4 must be divisible by dp_size=3"),
+        (["--tp", "8"], "num_attention_heads=4 is not divisible by 8"),
+        (["--dp-padding-mode", "bogus"], "invalid choice: 'bogus'"),
+        (["--nnodes", "2", "--tp", "2"], "nnodes > 1 needs dist_init_addr"),
+    ],
+)
+def test_launch_server_rejects_bad_flags_and_shapes(model_dirs, flags, message):
+    """The server exits non-zero at start-up, before any rank starts, naming the numbers."""
+    cmd = [sys.executable, "-m", "dpserve.launch_server", "--model-path", model_dirs["deepseek_v2"], *flags]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
