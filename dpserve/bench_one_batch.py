@@ -20,8 +20,7 @@ import numpy as np
 from tqdm import tqdm
 
 from dpserve import Engine
-from dpserve.cli import positive_int
-from dpserve.config import DEFAULT_CUDA_GRAPH_MAX_BS, PADDING_MODES
+from dpserve.cli import add_engine_args, engine_kwargs, positive_int
 
 FIRST_PROMPT_ID = 3  # ids below are special tokens (bos, eos, pad) in dpserve's test checkpoints
 
@@ -36,10 +35,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "latency is the median over the decode steps that ran the whole batch.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--model-path", required=True, help="Hugging Face checkpoint directory")
-    p.add_argument("--tp", type=positive_int, default=1, help="tensor parallel size (number of ranks)")
-    p.add_argument("--dp", type=positive_int, default=1, help="data parallel size (DP attention groups)")
-    p.add_argument("--enable-dp-attention", action="store_true", help="DP attention (required when --dp > 1)")
+    add_engine_args(p, log_level="warning")
     p.add_argument(
         "--batch-size", type=positive_int, nargs="+", default=[1], help="batch sizes to run, in order"
     )
@@ -56,45 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=4,
         help="new tokens per request of the unmeasured warm-up batch run before each batch size; 0 skips it",
     )
-    p.add_argument(
-        "--dp-padding-mode",
-        choices=PADDING_MODES,
-        default="auto",
-        help="how the MoE input is padded across DP groups (auto: the cheaper mode per step)",
-    )
-    p.add_argument(
-        "--cuda-graph-max-bs",
-        type=positive_int,
-        default=DEFAULT_CUDA_GRAPH_MAX_BS,
-        help="largest decode graph bucket (padded eager buckets on the CPU)",
-    )
-    p.add_argument(
-        "--disable-cuda-graph", action="store_true", help="decode eagerly without padding to buckets"
-    )
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: cuda if present")
-    p.add_argument(
-        "--dtype",
-        choices=("auto", "float32", "float16", "bfloat16"),
-        default="auto",
-        help="auto: float32 on cpu, bfloat16 on cuda",
-    )
-    p.add_argument(
-        "--max-total-tokens",
-        type=positive_int,
-        default=None,
-        help="KV pool size per DP group in tokens (None: sized from the memory budget)",
-    )
-    p.add_argument(
-        "--chunked-prefill-size", type=positive_int, default=2048, help="prefill tokens per step per DP group"
-    )
-    p.add_argument(
-        "--max-running-requests", type=positive_int, default=256, help="running requests per DP group"
-    )
-    p.add_argument("--seed", type=int, default=0, help="seed of the engine and of the random prompts")
     p.add_argument("--result-file", default=None, help="append one JSON line per batch size to this file")
-    p.add_argument(
-        "--log-level", choices=("debug", "info", "warning", "error"), default="warning", help="logging level"
-    )
     args = p.parse_args(argv)
     if args.output_len < 2:
         p.error("--output-len must be >= 2 so that there is at least one decode step")
@@ -132,7 +90,9 @@ def random_prompts(rng: np.random.Generator, batch: int, length: int, vocab_size
 
 
 def run_batch(engine: Engine, args: argparse.Namespace, batch: int) -> dict:
-    rng = np.random.default_rng([args.seed, batch])  # the prompts of a batch size do not depend on the order
+    rng = np.random.default_rng(
+        [args.random_seed, batch]
+    )  # the prompts of a batch size do not depend on the order
     vocab = engine.model_cfg.vocab_size
     greedy = {"temperature": 0.0, "ignore_eos": True}
     if args.warmup_output_len:
@@ -214,24 +174,8 @@ def table(results: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
-    engine_args = dict(
-        model_path=args.model_path,
-        tp_size=args.tp,
-        dp_size=args.dp,
-        enable_dp_attention=args.enable_dp_attention,
-        device=args.device,
-        dtype=args.dtype,
-        random_seed=args.seed,
-        max_total_tokens=args.max_total_tokens,
-        dp_padding_mode=args.dp_padding_mode,
-        cuda_graph_max_bs=args.cuda_graph_max_bs,
-        disable_cuda_graph=args.disable_cuda_graph,
-        chunked_prefill_size=args.chunked_prefill_size,
-        max_running_requests=args.max_running_requests,
-        log_level=args.log_level,
-    )
     results = []
-    with Engine(**engine_args) as engine:
+    with Engine(**engine_kwargs(args)) as engine:
         info = engine.get_server_info()
         capacities = [r["max_total_num_tokens"] for r in info["dp_ranks"]]
         check_fits(args, engine, min(capacities))

