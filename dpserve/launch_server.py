@@ -106,7 +106,7 @@ def serve(tm, model_name: str, host: str, port: int, log_level: str) -> int:
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame) -> None:
             # End the streams in flight so that the graceful shutdown does not wait on them.
-            tm.abort_all("the server is shutting down")
+            tm.abort_all_soon("the server is shutting down")
             super().handle_exit(sig, frame)
 
     server = Server(uvicorn.Config(create_app(tm, model_name), host=host, port=port, log_level=log_level))

@@ -120,6 +120,11 @@ class TokenizerManager:
             self._thread.join()
         self.workers.shutdown()
 
+    def abort_all_soon(self, message: str) -> None:
+        """abort_all from any thread or signal handler: run by the event loop."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self.abort_all, message)
+
     def abort_all(self, message: str) -> None:
         """Ends every request in flight (server shutdown) and frees their KV."""
         for state in list(self._states.values()):
@@ -217,7 +222,7 @@ class TokenizerManager:
         state.event.set()
 
     def _send_abort(self, state: _State) -> None:
-        if self.failure is None:
+        if self.failure is None and not self.workers.closed:
             self.workers.send(state.group, {"type": "abort", "rid": state.rid})
 
     # --- worker messages -------------------------------------------------------------------------
