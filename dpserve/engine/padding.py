@@ -96,11 +96,14 @@ def calibrate(
     }
     for m in sizes:
         runs[m][0]()  # warm-up
-    # Modes interleaved size by size, so that a slow spell of the machine hits both alike.
+    # Modes interleaved run by run, so that a slow spell of the machine hits both alike.
     for i in range(len(CALIBRATION_SIZES)):
-        for m in sizes:
-            if i < len(runs[m]):
-                seconds[m].append(statistics.median(timed(runs[m][i]) for _ in range(CALIBRATION_REPS)))
+        samples: dict[str, list[float]] = {m: [] for m in sizes if i < len(runs[m])}
+        for _ in range(CALIBRATION_REPS):
+            for m, times in samples.items():
+                times.append(timed(runs[m][i]))
+        for m, times in samples.items():
+            seconds[m].append(statistics.median(times))
     curves = {}
     for m, secs in seconds.items():
         # More rows never cost less: a spike from a descheduled peer must not outweigh larger sizes.
