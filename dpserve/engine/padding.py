@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from dpserve.distributed import Topology, broadcast_object
-from dpserve.layers.dp_attention import DPStep
+from dpserve.layers.dp_attention import DPStep, round_up
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ def calibrate(
     a, dp = topo.attn_tp_size, topo.dp_size
     sizes = {
         "sum_len": sorted(set(CALIBRATION_SIZES)),
-        "max_len": sorted({-(-r // a) * a for r in CALIBRATION_SIZES}),
+        "max_len": sorted({round_up(r, a) for r in CALIBRATION_SIZES}),
     }
     seconds: dict[str, list[float]] = {m: [] for m in sizes}
 
@@ -130,7 +130,7 @@ class PaddingPlanner:
         # sum_len's buckets count global rows; max_len's count rows per group, a multiple of A.
         self.buckets = {
             "sum_len": sorted(buckets),
-            "max_len": sorted({-(-b // a) * a for b in buckets}),
+            "max_len": sorted({round_up(b, a) for b in buckets}),
         }
 
     @property
@@ -153,6 +153,6 @@ class PaddingPlanner:
                 mode = "max_len"  # the sum outgrew the largest graph; the largest group did not
             else:
                 rows = buckets["sum_len"] or sizes["sum_len"]
-                m = buckets["max_len"] or -(-sizes["max_len"] // a) * a
+                m = buckets["max_len"] or round_up(sizes["max_len"], a)
                 mode = "sum_len" if self.cost.sum_len(rows) <= self.cost.max_len(m) else "max_len"
         return DPStep(mode, tuple(tokens), tuple(logit_rows), self.dp_rank, a, buckets[mode])

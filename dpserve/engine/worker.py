@@ -220,15 +220,16 @@ def _drain(
         wait_ms = 0
         msg = sock.recv_pyobj()
         report.changed = True
+        output = None
         if isinstance(msg, GenerateRequest):
-            error = scheduler.add(msg)
-            report.add([], [error] if error else [])
+            output = scheduler.add(msg)  # an error output if it can never run
         elif msg["type"] == "abort":
-            result = scheduler.abort(msg["rid"])
-            report.add([], [result] if result else [])
+            output = scheduler.abort(msg["rid"])
         elif msg["type"] == "get_step_log":
             out.send_pyobj({"type": "step_log", "dp_rank": scheduler.dp_rank, "steps": list(step_log)})
             step_log.clear()
         elif msg["type"] == "shutdown":
             shutdown = True
+        if output is not None:
+            report.finished.append(output)
     return shutdown

@@ -28,6 +28,10 @@ import torch.nn.functional as F
 from dpserve.distributed import Groups, all_gather, all_reduce, reduce_scatter
 
 
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
 @dataclass(frozen=True)
 class DPStep:
     """Layout of one forward step over the DP groups; identical on every rank."""
@@ -58,8 +62,7 @@ class DPStep:
     @property
     def padded_len(self) -> int:
         """M: the largest group's tokens rounded up to a multiple of the attention TP size."""
-        a = self.attn_tp_size
-        return -(-(self.bucket or max(self.tokens)) // a) * a
+        return round_up(self.bucket or max(self.tokens), self.attn_tp_size)
 
     @property
     def mlp_rows(self) -> int:

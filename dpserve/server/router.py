@@ -38,8 +38,7 @@ class Router:
     def route(self, rid: str, prompt_tokens: int, max_new_tokens: int, pinned: int | None = None) -> int:
         """Picks the group of a new request (or takes the pinned one) and counts its load there."""
         if pinned is not None:
-            if not 0 <= pinned < self.num_groups:
-                raise ValueError(f"data_parallel_rank={pinned} is outside [0, {self.num_groups})")
+            self.check_pin(pinned)
             group = pinned
         elif self.method == "round_robin":
             group = next(self._turn) % self.num_groups
@@ -51,6 +50,10 @@ class Router:
         self.outstanding_tokens[group] += prompt_tokens + max_new_tokens
         self.requests[group] += 1
         return group
+
+    def check_pin(self, pinned: int) -> None:
+        if not 0 <= pinned < self.num_groups:
+            raise ValueError(f"data_parallel_rank={pinned} is outside [0, {self.num_groups})")
 
     def on_token(self, rid: str) -> None:
         """A request produced a token: its prompt is prefilled and its decode budget shrinks."""

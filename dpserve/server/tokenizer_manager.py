@@ -153,11 +153,9 @@ class TokenizerManager:
         bad = [t for t in sub.input_ids if not 0 <= t < vocab]
         if bad:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        if sub.data_parallel_rank is not None and not 0 <= sub.data_parallel_rank < self.cfg.dp_size:
-            raise RequestError(
-                f"data_parallel_rank={sub.data_parallel_rank} is outside [0, {self.cfg.dp_size})"
-            )
         try:
+            if sub.data_parallel_rank is not None:
+                self.router.check_pin(sub.data_parallel_rank)
             check_request_fits(len(sub.input_ids), sub.params, self.model_cfg.context_len, self.kv_capacity)
         except ValueError as e:
             raise RequestError(str(e)) from None
