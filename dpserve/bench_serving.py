@@ -1,7 +1,15 @@
-"""Online serving benchmark for dpserve's OpenAI-compatible HTTP server, modelled on SGLang's bench_serving.
+"""Online serving benchmark for dpserve's HTTP server, modelled on SGLang's bench_serving.
 
-Random token-id prompts are streamed to ``/v1/completions`` at a given request rate (Poisson arrivals)
-under an optional concurrency cap; the report has throughput and TTFT / ITL / TPOT / end-to-end latency.
+Token-id prompts are streamed at a given request rate (Poisson arrivals) under an optional concurrency
+cap; the report has throughput, TTFT / ITL / TPOT / end-to-end latency and the prefix-cache hit rate.
+Workloads (``--dataset-name``):
+
+    random                   random prompts and lengths (``/v1/completions``)
+    generated-shared-prefix  G groups of Q questions sharing a long system prompt (SGLang's name)
+    multi-turn               C conversations of T turns: each turn sends the whole history (earlier
+                             prompts and answers) plus a new question, after the previous answer
+                             arrived (native ``/generate``, which returns the answer's token ids)
+
 ``--baseline transformers`` then generates the same prompts and output lengths with transformers on the
 CPU and prints dpserve's output throughput over transformers'.
 
@@ -15,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -38,10 +47,13 @@ from dpserve.models.gguf import resolve_model_path
 
 @dataclass
 class RequestInput:
-    """One benchmark request: prompt token ids and the exact number of tokens to generate."""
+    """One benchmark request: prompt token ids and the exact number of tokens to generate. A
+    conversation's later turns are `follow_ups`: each is sent as the previous turn's prompt, its
+    answer and these new tokens."""
 
     prompt: list[int]
     output_len: int
+    follow_ups: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -49,11 +61,14 @@ class RequestOutput:
     """What one streamed request recorded; times are ``time.perf_counter()`` values."""
 
     prompt_len: int
+    requested_len: int = 0  # max_tokens asked for (greedy, ignore_eos: exactly what should come)
     success: bool = False
     output_len: int = 0  # usage.completion_tokens, or the number of choice chunks if no usage came
     start: float = 0.0
     end: float = 0.0
     chunk_times: list[float] = field(default_factory=list)  # arrivals of chunks carrying text
+    cached_tokens: int = 0  # prompt tokens the server found in its prefix cache
+    output_ids: list[int] = field(default_factory=list)  # the answer (native /generate only)
     error: str = ""
 
     @property
@@ -98,6 +113,47 @@ def sample_requests(
     ]
 
 
+def sample_shared_prefix_requests(
+    groups: int,
+    per_group: int,
+    system_len: int,
+    question_len: int,
+    output_len: int,
+    token_ids: np.ndarray,
+    rng: np.random.Generator,
+) -> list[RequestInput]:
+    """SGLang's generated-shared-prefix workload: `groups` system prompts, each followed by
+    `per_group` different questions; the requests are shuffled so that the groups interleave."""
+    requests = []
+    for _ in range(groups):
+        system = rng.choice(token_ids, size=system_len).tolist()
+        requests += [
+            RequestInput(system + rng.choice(token_ids, size=question_len).tolist(), output_len)
+            for _ in range(per_group)
+        ]
+    order = rng.permutation(len(requests))
+    return [requests[i] for i in order]
+
+
+def sample_multi_turn_requests(
+    conversations: int,
+    turns: int,
+    turn_len: int,
+    output_len: int,
+    token_ids: np.ndarray,
+    rng: np.random.Generator,
+) -> list[RequestInput]:
+    """`conversations` chats of `turns` turns, each turn adding `turn_len` new tokens."""
+    return [
+        RequestInput(
+            rng.choice(token_ids, size=turn_len).tolist(),
+            output_len,
+            [rng.choice(token_ids, size=turn_len).tolist() for _ in range(turns - 1)],
+        )
+        for _ in range(conversations)
+    ]
+
+
 def arrival_times(n: int, request_rate: float, rng: np.random.Generator) -> np.ndarray:
     """Send times in seconds from the start: all 0 for an infinite rate, else a Poisson process
     (exponential gaps with mean ``1 / request_rate``) whose first request goes at 0."""
@@ -132,6 +188,7 @@ def compute_metrics(outputs: list[RequestOutput], duration: float) -> dict[str, 
     latencies = [o.latency for o in done]
     metrics: dict[str, Any] = {
         "completed": len(done),
+        "cache_hit_rate": sum(o.cached_tokens for o in done) / input_tokens if input_tokens else None,
         "failed": len(outputs) - len(done),
         "duration": duration,
         "total_input_tokens": input_tokens,
@@ -159,25 +216,39 @@ def error_message(status: int, body: bytes) -> str:
 
 
 async def send_request(
-    client: httpx.AsyncClient, base_url: str, model: str, request: RequestInput
+    client: httpx.AsyncClient, base_url: str, model: str, prompt: list[int], output_len: int, native: bool
 ) -> RequestOutput:
-    """Stream one completion and record its chunk arrival times; failures are recorded, never raised."""
-    payload = {
-        "model": model,
-        "prompt": request.prompt,
-        "max_tokens": request.output_len,
-        "temperature": 0.0,
-        "stream": True,
-        "ignore_eos": True,
-        "stream_options": {"include_usage": True},
-    }
-    out = RequestOutput(prompt_len=len(request.prompt))
+    """Stream one completion (OpenAI's /v1/completions, or the native /generate when `native`) and
+    record its chunk arrival times; failures are recorded, never raised."""
+    if native:
+        url, payload = (
+            f"{base_url}/generate",
+            {
+                "input_ids": prompt,
+                "sampling_params": {"max_new_tokens": output_len, "temperature": 0.0, "ignore_eos": True},
+                "stream": True,
+            },
+        )
+    else:
+        url, payload = (
+            f"{base_url}/v1/completions",
+            {
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": output_len,
+                "temperature": 0.0,
+                "stream": True,
+                "ignore_eos": True,
+                "stream_options": {"include_usage": True},
+            },
+        )
+    out = RequestOutput(prompt_len=len(prompt), requested_len=output_len)
     first_choice: float | None = None
     choice_chunks = 0
     usage = None
     out.start = time.perf_counter()
     try:
-        async with client.stream("POST", f"{base_url}/v1/completions", json=payload) as response:
+        async with client.stream("POST", url, json=payload) as response:
             if not response.is_success:
                 out.error = error_message(response.status_code, await response.aread())
                 return out
@@ -193,18 +264,29 @@ async def send_request(
                     message = error.get("message", error) if isinstance(error, dict) else error
                     out.error = f"error in stream: {message}"
                     return out
+                if native:  # every event carries the whole output so far
+                    if len(chunk["output_ids"]) > len(out.output_ids):
+                        first_choice = first_choice or now
+                        out.chunk_times.append(now)
+                    out.output_ids = chunk["output_ids"]
+                    usage = {"completion_tokens": len(out.output_ids), **chunk["meta_info"]}
+                    continue
                 usage = chunk.get("usage") or usage
                 for choice in chunk.get("choices") or []:
                     choice_chunks += 1
                     first_choice = first_choice or now
                     if choice.get("text"):
                         out.chunk_times.append(now)
-    except (httpx.HTTPError, ValueError) as e:
+    except (httpx.HTTPError, ValueError, KeyError) as e:
         out.error = f"{type(e).__name__}: {e}"
         return out
     finally:
         out.end = time.perf_counter()
     out.output_len = usage["completion_tokens"] if usage else choice_chunks
+    if usage:
+        out.cached_tokens = usage.get("cached_tokens") or (usage.get("prompt_tokens_details") or {}).get(
+            "cached_tokens", 0
+        )
     # A stream whose tokens all decode to empty text (e.g. special tokens) still has a first token.
     if not out.chunk_times and first_choice is not None:
         out.chunk_times.append(first_choice)
@@ -229,21 +311,27 @@ async def run_requests(
     timeout: float,
     disable_tqdm: bool,
 ) -> tuple[list[RequestOutput], float]:
-    """Send each request at its arrival time (then waiting for a concurrency slot); return the outputs
-    in request order and the wall time from the first send to the last completion."""
-    semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-    pbar = tqdm(total=len(requests), desc="requests", unit="req", disable=disable_tqdm)
+    """Send each request at its arrival time (then waiting for a concurrency slot; a conversation's
+    turns one after the other); return the outputs of every turn in request order and the wall time
+    from the first send to the last completion."""
+    semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
+    total = sum(1 + len(r.follow_ups) for r in requests)
+    pbar = tqdm(total=total, desc="requests", unit="req", disable=disable_tqdm)
 
-    async def one(client: httpx.AsyncClient, request: RequestInput, at: float) -> RequestOutput:
+    async def one(client: httpx.AsyncClient, request: RequestInput, at: float) -> list[RequestOutput]:
         # Sleeping until an absolute time keeps timer drift from accumulating over the schedule.
         await asyncio.sleep(at - (time.perf_counter() - start))
-        if semaphore is None:
-            out = await send_request(client, base_url, model, request)
-        else:
+        prompt, outs = request.prompt, []
+        native = bool(request.follow_ups)  # the next turn needs this answer's token ids
+        for follow_up in [None, *request.follow_ups]:
+            if follow_up is not None:
+                if not outs[-1].success:
+                    break
+                prompt = prompt + outs[-1].output_ids + follow_up
             async with semaphore:
-                out = await send_request(client, base_url, model, request)
-        pbar.update(1)
-        return out
+                outs.append(await send_request(client, base_url, model, prompt, request.output_len, native))
+            pbar.update(1)
+        return outs
 
     async with make_client(timeout) as client:
         start = time.perf_counter()
@@ -252,7 +340,7 @@ async def run_requests(
         )
         duration = time.perf_counter() - start
     pbar.close()
-    return list(outputs), duration
+    return [o for outs in outputs for o in outs], duration
 
 
 def served_model_id(base_url: str, timeout: float) -> str:
@@ -360,6 +448,7 @@ def report(r: dict[str, Any]) -> str:
         add("Output token throughput (tok/s)", fmt(r["output_throughput"]))
         add("Total token throughput (tok/s)", fmt(r["total_throughput"]))
         add("Concurrency", fmt(r["concurrency"]))
+        add("Prefix cache hit rate", fmt(r["cache_hit_rate"], ".1%"))
         for name, title in (
             ("ttft", "Time to First Token"),
             ("itl", "Inter-Token Latency"),
@@ -383,6 +472,7 @@ def report(r: dict[str, Any]) -> str:
 
 
 TABLE_COLUMNS = (
+    ("dataset", "dataset_name", ""),
     ("prompts", "num_prompts", "d"),
     ("input len", "random_input_len", "d"),
     ("output len", "random_output_len", "d"),
@@ -395,6 +485,7 @@ TABLE_COLUMNS = (
     ("req/s", "request_throughput", ".2f"),
     ("input tok/s", "input_throughput", ".1f"),
     ("output tok/s", "output_throughput", ".1f"),
+    ("cache hit", "cache_hit_rate", ".1%"),
     ("TTFT mean (ms)", "mean_ttft_ms", ".1f"),
     ("TTFT p99 (ms)", "p99_ttft_ms", ".1f"),
     ("ITL mean (ms)", "mean_itl_ms", ".2f"),
@@ -442,7 +533,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "transformers baseline loads it (unset: the served model id, if that is a local directory)",
     )
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (unset: --model-path)")
-    p.add_argument("--num-prompts", type=positive_int, default=100, help="number of requests")
+    p.add_argument(
+        "--dataset-name",
+        choices=("random", "generated-shared-prefix", "multi-turn"),
+        default="random",
+        help="workload: random prompts; groups of questions sharing a system prompt (--gsp-*); or "
+        "conversations whose every turn resends the history (--mt-*)",
+    )
+    p.add_argument("--num-prompts", type=positive_int, default=100, help="number of requests (random)")
     p.add_argument("--random-input-len", type=positive_int, default=256, help="maximum prompt length L_in")
     p.add_argument(
         "--random-output-len", type=positive_int, default=64, help="maximum output length L_out (tokens)"
@@ -467,6 +565,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="most requests in flight at once; later arrivals wait for a slot (unset: no cap)",
     )
+    gsp = p.add_argument_group("generated-shared-prefix")
+    gsp.add_argument("--gsp-num-groups", type=positive_int, default=8, help="system prompts")
+    gsp.add_argument(
+        "--gsp-prompts-per-group", type=positive_int, default=8, help="questions per system prompt"
+    )
+    gsp.add_argument("--gsp-system-prompt-len", type=positive_int, default=512, help="system prompt tokens")
+    gsp.add_argument("--gsp-question-len", type=positive_int, default=32, help="question tokens")
+    gsp.add_argument("--gsp-output-len", type=positive_int, default=32, help="tokens generated per question")
+    mt = p.add_argument_group("multi-turn")
+    mt.add_argument("--mt-num-conversations", type=positive_int, default=16, help="conversations")
+    mt.add_argument("--mt-turns", type=positive_int, default=4, help="turns per conversation")
+    mt.add_argument("--mt-turn-len", type=positive_int, default=64, help="new user tokens per turn")
+    mt.add_argument("--mt-output-len", type=positive_int, default=32, help="tokens generated per turn")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts, lengths and arrival times")
     p.add_argument(
         "--warmup-requests",
@@ -507,9 +618,43 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--skip-server needs --baseline")
     if args.baseline and args.model_path is None:
         p.error("--baseline needs --model-path")
+    if args.baseline and args.dataset_name == "multi-turn":
+        p.error("--baseline cannot replay multi-turn (later prompts hold the server's answers)")
     # The same names launch_server takes: a .gguf file or smollm2-135m-instruct become their cached conversion.
     args.model_path = args.model_path and resolve_model_path(args.model_path)
     return args
+
+
+def workload_params(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags of the chosen workload, for the record."""
+    prefix = {"random": "random_", "generated-shared-prefix": "gsp_", "multi-turn": "mt_"}[args.dataset_name]
+    return {k: v for k, v in vars(args).items() if k.startswith(prefix)}
+
+
+def workload(args: argparse.Namespace, token_ids: np.ndarray) -> list[RequestInput]:
+    rng = np.random.default_rng(args.seed)
+    if args.dataset_name == "generated-shared-prefix":
+        return sample_shared_prefix_requests(
+            args.gsp_num_groups,
+            args.gsp_prompts_per_group,
+            args.gsp_system_prompt_len,
+            args.gsp_question_len,
+            args.gsp_output_len,
+            token_ids,
+            rng,
+        )
+    if args.dataset_name == "multi-turn":
+        return sample_multi_turn_requests(
+            args.mt_num_conversations, args.mt_turns, args.mt_turn_len, args.mt_output_len, token_ids, rng
+        )
+    return sample_requests(
+        args.num_prompts,
+        args.random_input_len,
+        args.random_output_len,
+        args.random_range_ratio,
+        token_ids,
+        rng,
+    )
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -527,22 +672,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit("error: pass --model-path or --tokenizer (the served model id is not a directory)")
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     token_ids = prompt_token_ids(tokenizer)
-    requests = sample_requests(
-        args.num_prompts,
-        args.random_input_len,
-        args.random_output_len,
-        args.random_range_ratio,
-        token_ids,
-        np.random.default_rng(args.seed),
-    )
+    requests = workload(args, token_ids)
     result: dict[str, Any] = {
         "backend": "dpserve",
         "base_url": base_url,
         "model": model,
-        "num_prompts": args.num_prompts,
-        "random_input_len": args.random_input_len,
-        "random_output_len": args.random_output_len,
-        "random_range_ratio": args.random_range_ratio,
+        "dataset_name": args.dataset_name,
+        "num_prompts": sum(1 + len(r.follow_ups) for r in requests),
+        **workload_params(args),
         "request_rate": "inf" if math.isinf(args.request_rate) else args.request_rate,  # JSON has no inf
         "max_concurrency": args.max_concurrency,
         "seed": args.seed,
@@ -582,9 +719,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result |= compute_metrics(outputs, duration)
         errors = [o.error for o in outputs if not o.success]
         result["errors"] = dict(Counter(errors))
-        mismatched = sum(
-            o.success and o.output_len != r.output_len for o, r in zip(outputs, requests, strict=True)
-        )
+        mismatched = sum(o.success and o.output_len != o.requested_len for o in outputs)
         result["output_len_mismatches"] = mismatched
         if errors:
             print(f"warning: {len(errors)} requests failed; first error: {errors[0]}", file=sys.stderr)

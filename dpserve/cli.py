@@ -63,7 +63,9 @@ def add_engine_args(p: argparse.ArgumentParser, log_level: str = "info") -> None
         "--max-total-tokens",
         type=positive_int,
         default=None,
-        help="KV pool size in tokens per DP group (default: from --kv-cache-memory-gb)",
+        help="KV pool size in tokens per DP group (default: from --kv-cache-memory-gb). Requests are "
+        "admitted on an estimate of their decode tokens and retracted (resumed later, same output) "
+        "when the pool runs short; a request whose prompt + max_new_tokens exceeds it is rejected",
     )
     sch.add_argument(
         "--kv-cache-memory-gb",
@@ -105,6 +107,12 @@ def add_engine_args(p: argparse.ArgumentParser, log_level: str = "info") -> None
     sch.add_argument(
         "--disable-cuda-graph", action="store_true", help="decode eagerly, unpadded (no graphs, no buckets)"
     )
+    sch.add_argument(
+        "--disable-radix-cache",
+        action="store_true",
+        help="turn off the radix prefix cache of each DP group (on by default: a prompt's cached "
+        "beginning is not prefilled again; unused entries are evicted LRU when memory is short)",
+    )
     sch.add_argument("--random-seed", type=int, default=0, help="seed of sampling without a per-request seed")
     p.add_argument("--log-level", default=log_level, choices=LOG_LEVELS, help="log level of every process")
 
@@ -126,6 +134,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         cuda_graph_max_bs=args.cuda_graph_max_bs,
         cuda_graph_bs=args.cuda_graph_bs,
         disable_cuda_graph=args.disable_cuda_graph,
+        disable_radix_cache=args.disable_radix_cache,
         random_seed=args.random_seed,
         log_level=args.log_level,
     )

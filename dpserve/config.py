@@ -34,6 +34,7 @@ class EngineConfig:
     cuda_graph_max_bs: int = DEFAULT_CUDA_GRAPH_MAX_BS  # largest decode bucket (when cuda_graph_bs is unset)
     cuda_graph_bs: list[int] | None = None  # explicit decode buckets; overrides cuda_graph_max_bs
     disable_cuda_graph: bool = False  # decode eagerly without padding (on the CPU: no padded path)
+    disable_radix_cache: bool = False  # no prefix cache: every prompt is prefilled whole
     random_seed: int = 0
     dist_init_addr: str | None = None  # host:port of rank 0; a free local port by default
     nnodes: int = 1  # nodes the ranks are spread over; node 0 runs the front end

@@ -12,7 +12,7 @@ import sys
 
 from dpserve.cli import add_engine_args, engine_kwargs, positive_int
 from dpserve.config import EngineConfig
-from dpserve.server.router import LOAD_BALANCE_METHODS
+from dpserve.server.router import LOAD_BALANCE_METHODS, CacheAwarePolicy
 
 logger = logging.getLogger("dpserve")
 
@@ -33,11 +33,40 @@ def build_parser() -> argparse.ArgumentParser:
     )
     srv.add_argument(
         "--load-balance-method",
-        default="minimum_tokens",
+        default="cache_aware",
         choices=LOAD_BALANCE_METHODS,
-        help="how requests are spread over DP groups: fewest outstanding tokens (queued prompt "
-        "tokens + remaining decode budgets), fewest requests in flight, or in turn. A request can "
-        "pin a group with the data_parallel_rank field",
+        help="how requests are spread over DP groups (or replicas): cache_aware sends a request to the "
+        "group whose prefix cache most likely holds its prompt's beginning unless the groups' loads "
+        "drift apart (then as minimum_tokens); minimum_tokens: fewest outstanding tokens (queued "
+        "prompt tokens + remaining decode budgets); shortest_queue: fewest requests in flight; "
+        "round_robin: in turn. A request can pin a group with the data_parallel_rank field",
+    )
+    defaults = CacheAwarePolicy()
+    srv.add_argument(
+        "--cache-threshold",
+        type=float,
+        default=defaults.cache_threshold,
+        help="cache_aware: share of the prompt a group must hold (in the router's prefix tree) for "
+        "the cache to decide; below it the least-loaded group takes the request",
+    )
+    srv.add_argument(
+        "--balance-abs-threshold",
+        type=int,
+        default=defaults.balance_abs_threshold,
+        help="cache_aware: load wins over the cache when the busiest and the least busy group differ "
+        "by more than this many outstanding tokens...",
+    )
+    srv.add_argument(
+        "--balance-rel-threshold",
+        type=float,
+        default=defaults.balance_rel_threshold,
+        help="...and the busiest has more than this many times the outstanding tokens of the least",
+    )
+    srv.add_argument(
+        "--max-tree-size",
+        type=positive_int,
+        default=defaults.max_tree_tokens,
+        help="cache_aware: tokens the router remembers per group (least recently used forgotten first)",
     )
     nodes = p.add_argument_group("multi-node")
     nodes.add_argument(
@@ -90,7 +119,10 @@ def main(argv: list[str] | None = None) -> int:
             return run_node(cfg)
         from dpserve.server.tokenizer_manager import TokenizerManager
 
-        tm = TokenizerManager(cfg, args.load_balance_method)
+        policy = CacheAwarePolicy(
+            args.cache_threshold, args.balance_abs_threshold, args.balance_rel_threshold, args.max_tree_size
+        )
+        tm = TokenizerManager(cfg, args.load_balance_method, policy)
     except (ValueError, OSError) as e:
         logger.error("%s", e)
         return 2

@@ -32,15 +32,27 @@ class SamplingParams:
         return self.temperature == 0.0 or self.top_k == 1
 
     def validate(self) -> None:
+        def number(v) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+        def integer(v) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
         checks = [
+            (integer(self.max_new_tokens) and self.max_new_tokens >= 1, "max_new_tokens must be an int >= 1"),
+            (number(self.temperature) and self.temperature >= 0.0, "temperature must be a number >= 0"),
             (
-                isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
-                "max_new_tokens must be >= 1",
+                integer(self.top_k) and (self.top_k == -1 or self.top_k >= 1),
+                "top_k must be -1 or an int >= 1",
             ),
-            (self.temperature >= 0.0, "temperature must be >= 0"),
-            (self.top_k == -1 or self.top_k >= 1, "top_k must be -1 or >= 1"),
-            (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
-            (0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]"),
+            (number(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
+            (number(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]"),
+            (self.seed is None or integer(self.seed), "seed must be an int or None"),
+            (
+                isinstance(self.stop_token_ids, list) and all(integer(t) for t in self.stop_token_ids),
+                "stop_token_ids must be a list of ints",
+            ),
+            (isinstance(self.ignore_eos, bool), "ignore_eos must be a bool"),
         ]
         for ok, message in checks:
             if not ok:

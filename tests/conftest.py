@@ -65,6 +65,22 @@ def engine_cache():
     cache.close()
 
 
+SMALL_POOL = 96  # KV tokens per DP group of the engines that exercise memory pressure
+
+
+def small_pool_engine(engine_cache, model_dirs, tp: int = 2, dp: int = 2, **kwargs) -> Engine:
+    """DeepseekV2 with DP attention, a KV pool of SMALL_POOL tokens per group and prefill chunks of 16."""
+    return engine_cache.get(
+        model_dirs["deepseek_v2"],
+        tp_size=tp,
+        dp_size=dp,
+        enable_dp_attention=True,
+        max_total_tokens=SMALL_POOL,
+        chunked_prefill_size=16,
+        **kwargs,
+    )
+
+
 def assert_matches_reference(outputs: list[dict], refs) -> None:
     """Same greedy tokens as transformers and logprobs within 1e-4, up to each reference's
     first numerically ambiguous step."""

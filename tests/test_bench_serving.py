@@ -4,6 +4,7 @@ real dpserve server, and the transformers baseline on a tiny model."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 from collections.abc import Iterator
 
@@ -20,7 +21,9 @@ from dpserve.testing.tiny_models import write_tiny_model
 def output(
     prompt_len: int, start: float, chunks: list[float], end: float, output_len: int
 ) -> bs.RequestOutput:
-    return bs.RequestOutput(prompt_len, True, output_len, start, end, chunks)
+    return bs.RequestOutput(
+        prompt_len, success=True, output_len=output_len, start=start, end=end, chunk_times=chunks
+    )
 
 
 def test_metrics_from_timestamps() -> None:
@@ -181,4 +184,25 @@ def test_main_end_to_end(server: ServerProcess, llama_dir: str, tmp_path, capsys
     assert saved["command"].startswith("python -m dpserve.bench_serving --base-url")
     assert saved["machine"]["cpu_count"] >= 1 and saved["machine"]["platform"]
     printed = capsys.readouterr().out
-    assert "Successful requests:" in printed and "| prompts | input len |" in printed
+    assert "Successful requests:" in printed and "| dataset | prompts | input len |" in printed
+
+
+def test_shared_prefix_and_multi_turn_workloads_hit_the_cache(server: ServerProcess, llama_dir: str) -> None:
+    ids = np.arange(3, 301)
+    gsp = bs.sample_shared_prefix_requests(2, 3, 20, 4, 3, ids, np.random.default_rng(0))
+    assert len(gsp) == 6 and all(len(r.prompt) == 24 and r.output_len == 3 for r in gsp)
+    assert len({tuple(r.prompt[:20]) for r in gsp}) == 2 and len({tuple(r.prompt) for r in gsp}) == 6
+    outputs, _ = run(server.url, llama_dir, gsp, max_concurrency=1)
+    assert all(o.success for o in outputs)
+    # One at a time: every group's second and third question find its system prompt cached.
+    assert sum(o.cached_tokens for o in outputs) >= 2 * 2 * 20
+
+    conversations = bs.sample_multi_turn_requests(2, 3, 5, 4, ids, np.random.default_rng(1))
+    outputs, _ = run(server.url, llama_dir, conversations)
+    assert len(outputs) == 6 and all(o.success and o.output_len == 4 == len(o.output_ids) for o in outputs)
+    for turns in (outputs[:3], outputs[3:]):
+        for prev, cur in itertools.pairwise(turns):
+            # History (the previous prompt and answer) plus 5 new tokens; all of the history but the
+            # answer's last token (whose KV was never computed) comes from the cache.
+            assert cur.prompt_len == prev.prompt_len + 4 + 5
+            assert cur.cached_tokens == prev.prompt_len + 3

@@ -6,25 +6,30 @@ import random
 
 import pytest
 
-from dpserve.server.router import Router
+from dpserve.server.router import CacheAwarePolicy, Router
+
+
+def ids(n: int, first: int = 0) -> list[int]:
+    return list(range(first, first + n))
 
 
 def test_round_robin_alternates():
     r = Router(3, "round_robin")
-    assert [r.route(str(i), 100 * i, 10) for i in range(7)] == [0, 1, 2, 0, 1, 2, 0]
+    assert [r.route(str(i), ids(100 * i + 1), 10) for i in range(7)] == [0, 1, 2, 0, 1, 2, 0]
 
 
 def test_pinned_requests_count_but_keep_their_group():
-    r = Router(2, "minimum_tokens")
-    assert [r.route(str(i), 50, 50, pinned=1) for i in range(3)] == [1, 1, 1]
-    assert r.outstanding_tokens == [0, 300] and r.route("x", 10, 10) == 0
-    with pytest.raises(ValueError, match=r"data_parallel_rank=2 is outside \[0, 2\)"):
-        r.route("y", 1, 1, pinned=2)
+    for method in ("minimum_tokens", "cache_aware"):
+        r = Router(2, method)
+        assert [r.route(str(i), ids(50), 50, pinned=1) for i in range(3)] == [1, 1, 1]
+        assert r.outstanding_tokens == [0, 300] and r.route("x", ids(10, 500), 10) == 0
+        with pytest.raises(ValueError, match=r"data_parallel_rank=2 is outside \[0, 2\)"):
+            r.route("y", ids(1), 1, pinned=2)
 
 
 def test_outstanding_tokens_follow_progress():
     r = Router(2)
-    r.route("a", 30, 10)
+    r.route("a", ids(30), 10)
     assert r.outstanding_tokens == [40, 0]
     r.on_token("a")  # the first token: the prompt is prefilled
     assert r.outstanding_tokens == [9, 0]
@@ -44,7 +49,7 @@ def test_minimum_tokens_spreads_a_skewed_burst():
     for method in ("minimum_tokens", "shortest_queue", "round_robin"):
         r = Router(4, method)
         for i, (p, d) in enumerate(sizes):
-            r.route(str(i), p, d)
+            r.route(str(i), ids(p, 10 * i), d)
             if method == "minimum_tokens":
                 assert max(r.outstanding_tokens) - min(r.outstanding_tokens) <= largest
         spread[method] = max(r.outstanding_tokens) / min(r.outstanding_tokens)
@@ -54,3 +59,49 @@ def test_minimum_tokens_spreads_a_skewed_burst():
         spread["shortest_queue"] > spread["minimum_tokens"]
         and spread["round_robin"] > spread["minimum_tokens"]
     )
+
+
+def test_cache_aware_keeps_a_conversation_on_its_group():
+    """Each turn extends the previous prompt (history + answer + new question): it goes where the
+    history went, whatever else arrives meanwhile."""
+    rng = random.Random(1)
+    r = Router(4, "cache_aware")
+    conversations = {c: [rng.randrange(3, 1000) for _ in range(40)] for c in range(8)}
+    groups: dict[int, set[int]] = {c: set() for c in conversations}
+    for turn in range(5):  # the conversations' turns are in flight together
+        for c, history in conversations.items():
+            groups[c].add(r.route(f"{c}-{turn}", history, 20))
+        for c, history in conversations.items():
+            r.on_finish(f"{c}-{turn}")
+            history += [rng.randrange(3, 1000) for _ in range(30)]
+    assert all(len(g) == 1 for g in groups.values())
+    assert len(set().union(*groups.values())) == 4  # the conversations were spread over the groups
+
+
+def test_cache_aware_flood_with_one_prefix_spreads_past_the_load_gap():
+    policy = CacheAwarePolicy(balance_abs_threshold=1000, balance_rel_threshold=1.5)
+    r = Router(2, "cache_aware", policy)
+    system = ids(200, 5000)
+    routed = [r.route(str(i), system + [i], 100) for i in range(20)]  # never finishing: load grows
+    first_switch = routed.index(1)
+    # Requests of 301 outstanding tokens: group 0 takes them until it leads by more than 1000.
+    assert routed[:first_switch] == [0] * 4 and first_switch == 4
+    assert routed.count(1) >= 8  # both groups hold the prefix now; load decides between them
+    gap = max(r.outstanding_tokens) - min(r.outstanding_tokens)
+    assert gap <= 1000 + 301
+
+
+def test_cache_aware_tree_is_bounded_and_forgets_least_recent():
+    r = Router(1, "cache_aware", CacheAwarePolicy(max_tree_tokens=100))
+    for i in range(10):
+        r.route(str(i), ids(30, 1000 * i), 1)
+    assert r.trees[0].size <= 100
+    assert r.trees[0].match_prefix(ids(30, 9000))[2] == 30  # the latest is kept
+    assert r.trees[0].match_prefix(ids(30, 0))[2] == 0  # the oldest is gone
+
+
+def test_cache_aware_policy_is_validated():
+    with pytest.raises(ValueError, match="cache_threshold must be in"):
+        CacheAwarePolicy(cache_threshold=1.5)
+    with pytest.raises(ValueError, match="balance thresholds"):
+        CacheAwarePolicy(balance_rel_threshold=0.5)

@@ -1,75 +1,228 @@
-"""The group scheduler on its own: admission by KV reservation, chunking, rejection, abort."""
+"""The group scheduler on its own: admission by estimate, chunking, retraction, the prefix cache,
+rejection and abort. Tokens are "sampled" by a fixed rule, so runs are exact and repeatable."""
 
 from __future__ import annotations
 
+import pytest
+
+from dpserve.kvcache.radix_cache import RadixTree
 from dpserve.sampling_params import SamplingParams
-from dpserve.scheduler.plan import RequestSlots
 from dpserve.scheduler.request import GenerateRequest
-from dpserve.scheduler.scheduler import Scheduler
+from dpserve.scheduler.scheduler import MAX_RETRACTIONS, Scheduler
 
 
-def make(capacity: int = 50, chunk: int = 8) -> Scheduler:
-    return Scheduler(0, capacity, 4, chunk, context_len=100, eos_ids=(1,), seed=0, slots=RequestSlots())
+def make(capacity: int = 50, chunk: int = 8, max_running: int = 4, radix: bool = True) -> Scheduler:
+    return Scheduler(0, capacity, max_running, chunk, 100, 300, eos_ids=(1,), seed=0, radix_cache=radix)
 
 
-def request(rid: str, prompt_len: int, new: int = 10) -> GenerateRequest:
-    return GenerateRequest(
-        rid, list(range(3, 3 + prompt_len)), SamplingParams(max_new_tokens=new, temperature=0)
-    )
+def request(rid: str, prompt_len: int, new: int = 10, first: int = 3) -> GenerateRequest:
+    params = SamplingParams(max_new_tokens=new, temperature=0, ignore_eos=True)
+    return GenerateRequest(rid, list(range(first, first + prompt_len)), params)
 
 
-def step(s: Scheduler, token: int = 7):
+def next_token(fill: list[int]) -> int:
+    return 2 + sum(fill) % 97  # a function of the whole sequence, as a model's greedy choice is
+
+
+def step(s: Scheduler):
+    """Runs one step: checks the plan against the request-to-slot table a rank keeps."""
     plan = s.schedule()
-    s.slots.apply(plan)
-    _, finished = s.process_samples(plan, [token] * plan.num_samples, [0.0] * plan.num_samples)
+    table = s.__dict__.setdefault("rank_table", {})  # row -> {position: slot}, as a rank's table
+    for r in plan.reqs:
+        row = table.setdefault(r.row, {})
+        row.update(enumerate(r.prefix))
+        row.update(zip(range(r.start, r.seq_len), r.slots, strict=True))
+        assert all(p in row for p in range(r.seq_len)), "a position the step attends has no slot"
+    sampled = [r for r in s._step_reqs if r.prefill_done]
+    tokens = [next_token(r.fill_ids) for r in sampled]
+    _, finished = s.process_samples(tokens, [0.0] * len(tokens))
     return plan, finished
 
 
-def test_reservation_queues_and_chunks():
+def run(s: Scheduler, requests: list[GenerateRequest], max_steps: int = 10_000) -> dict[str, dict]:
+    for msg in requests:
+        assert s.add(msg) is None
+    outputs = {}
+    for _ in range(max_steps):
+        _, finished = step(s)
+        outputs.update((o["rid"], o) for o in finished)
+        if not s.running and not s.waiting:
+            return outputs
+        assert_slots_consistent(s)
+    raise AssertionError("requests did not finish")
+
+
+def expected_output(msg: GenerateRequest) -> list[int]:
+    fill = list(msg.input_ids)
+    for _ in range(msg.params.max_new_tokens):
+        fill.append(next_token(fill))
+    return fill[len(msg.input_ids) :]
+
+
+def assert_slots_consistent(s: Scheduler) -> None:
+    """Every slot is free, in the tree, or held by exactly one running request."""
+    held = [slot for r in s.running for slot in r.slots[r.cached_len :] + r.dup_slots]
+    tree = [slot for n in s.tree._nodes() for slot in n.value] if s.tree else []
+    everything = held + tree + s.allocator.free_slots
+    assert sorted(everything) == list(range(1, s.kv_capacity + 1))
+
+
+def test_chunked_prefill_then_decode():
     s = make()
-    assert s.add(request("a", 20)) is None and s.add(request("b", 20)) is None  # 30 + 30 > 50
+    s.add(request("a", 20))
     plan, _ = step(s)
-    assert plan.mode == "extend" and plan.rids == ["a"] and plan.new_tokens[0] == list(range(3, 11))
-    assert plan.sample == [False] and [r.rid for r in s.waiting] == ["b"]
+    assert plan.mode == "extend" and len(plan.reqs) == 1 and plan.reqs[0].tokens == list(range(3, 11))
+    assert plan.reqs[0].sample is False and plan.reqs[0].start == 0
     step(s), step(s)  # the last chunk of "a" (4 tokens) samples its first token
     assert len(s.running[0].output_ids) == 1
     for _ in range(9):
         plan, finished = step(s)
-        assert plan.mode == "decode" and plan.rids == ["a"]
+        assert plan.mode == "decode" and len(plan.reqs) == 1 and plan.reqs[0].sample
     assert [f["finish_reason"] for f in finished] == [{"type": "length", "length": 10}]
-    assert s.allocator.num_free == 50 and s.reserved == 0
+    # Nothing is held once it finished; its tokens stay cached.
+    assert s.stats()["kv_used"] == 0 and s.tree.size == 29 == s.tree.evictable
+
+
+def test_admission_by_estimate_runs_requests_side_by_side():
+    """Whole needs (60 + 60) exceed the pool of 100, estimates (10 + 0.7 * 50) do not: both run."""
+    s = make(capacity=100)
+    s.add(request("a", 10, new=50))
+    s.add(request("b", 10, new=50, first=50))
     plan, _ = step(s)
-    assert plan.rids == ["b"] and plan.freed == ["a"]
+    assert len(plan.reqs) == 1  # the chunk of 8 goes to a; b waits for budget, not memory
+    plan, _ = step(s)
+    assert len(s.running) == 2 and [len(r.tokens) for r in plan.reqs] == [2, 6]
 
 
-def test_rejects_what_never_fits_and_aborts():
+def test_prefill_budget_is_not_eaten_by_decodes():
+    """As many decoding requests as the chunk size: new prompts still get prefilled."""
+    s = make(capacity=200, chunk=4, max_running=8)
+    for i in range(4):
+        s.add(request(f"d{i}", 1, new=50, first=10 * i + 3))
+    step(s)
+    assert len(s.running) == 4 and all(r.prefill_done for r in s.running)
+    s.add(request("late", 6, first=100))
+    plan, _ = step(s)
+    assert plan.mode == "extend" and plan.num_tokens == 4 + 4  # a 4-token chunk beside 4 decodes
+
+
+def test_oversubscribed_pool_retracts_and_every_output_is_unchanged():
+    s = make(capacity=60, chunk=16, max_running=8)
+    msgs = [request(f"r{i}", 5 + i, new=30, first=7 * i + 3) for i in range(8)]
+    assert sum(len(m.input_ids) + 30 for m in msgs) >= 4 * 60
+    outputs = run(s, msgs)
+    assert s.counters["retractions"] > 0
+    for m in msgs:
+        assert outputs[m.rid]["output_ids"] == expected_output(m), m.rid
+    assert s.stats()["kv_used"] == 0 and s.new_token_ratio >= 0.1
+
+
+def test_retraction_order_and_protection():
+    s = make(capacity=80, chunk=40, max_running=8, radix=False)
+    s.add(request("short", 4, new=30))
+    s.add(request("long", 8, new=30, first=40))
+    step(s)
+    assert len(s.running) == 2
+    s.allocator.free_slots.clear()  # the pool is suddenly full: the next step must retract
+    step(s)
+    # Both generated one token: the longer prompt goes first, back to the front of the queue.
+    assert [r.rid for r in s.waiting] == ["long"] and [r.rid for r in s.running] == ["short"]
+    assert s.waiting[0].retractions == 1 and not s.waiting[0].slots and s.counters["retractions"] == 1
+
+    # Retracted MAX_RETRACTIONS times: admitted with its whole need reserved, never retracted again.
+    s = make(capacity=80, chunk=40, max_running=8, radix=False)
+    s.add(request("veteran", 8, new=30, first=40))
+    s.waiting[0].retractions = MAX_RETRACTIONS
+    s.add(request("young", 4, new=30))
+    step(s)
+    veteran, young = s.running
+    assert veteran.protected and not young.protected
+    s.allocator.free_slots.clear()
+    step(s)
+    assert s.running == [veteran] and s.waiting[0] is young
+
+
+def test_prefix_cache_hit_prefills_only_the_suffix():
+    s = make(capacity=100, chunk=64)
+    shared = request("a", 30, new=4)
+    first = run(s, [shared])["a"]
+    assert first["cached_tokens"] == 0
+    again = GenerateRequest("b", shared.input_ids, shared.params)
+    s.add(again)
+    plan, _ = step(s)
+    # The whole prompt was cached but one token: its logits give the first new token.
+    assert plan.reqs[0].start == 29 and plan.reqs[0].prefix and plan.reqs[0].tokens == shared.input_ids[-1:]
+    out = run(s, [])["b"]
+    assert out["cached_tokens"] == 29 and out["output_ids"] == first["output_ids"]
+    extended = GenerateRequest("c", shared.input_ids[:20] + [250, 251], shared.params)
+    assert run(s, [extended])["c"]["cached_tokens"] == 20
+
+
+def test_eviction_under_pressure_keeps_cached_prefixes_right():
+    s = make(capacity=64, chunk=32, max_running=4)
+    base = list(range(3, 23))
+    msgs = [
+        GenerateRequest(f"r{i}", base + [100 + i] * (i + 1), SamplingParams(max_new_tokens=12, temperature=0))
+        for i in range(10)
+    ]
+    outputs = run(s, msgs)
+    assert s.counters["cache_evicted_tokens"] > 0 and s.counters["cache_hit_tokens"] > 0
+    for m in msgs:
+        assert outputs[m.rid]["output_ids"] == expected_output(m)
+    assert_slots_consistent(s)
+
+
+def test_abort_releases_locks_and_rejects_what_never_fits():
     s = make()
     err = s.add(request("big", 45, new=10))
     assert err["finish_reason"]["type"] == "abort"
     assert "needs 55 KV tokens" in err["finish_reason"]["message"]
+    bad = s.add(GenerateRequest("bad", [5, 400], SamplingParams()))
+    assert bad["finish_reason"]["message"] == "token id 400 is outside the vocabulary [0, 300)"
     s.add(request("a", 5))
+    s.add(request("w", 45, new=5))
     step(s)
-    out = s.abort("a")
-    assert out["finish_reason"] == {"type": "abort", "message": "aborted"}
-    assert s.allocator.num_free == 50 and not s.running
-    assert s.abort("unknown") is None
+    assert s.abort("a")["finish_reason"] == {"type": "abort", "message": "aborted"}
+    assert s.abort("w")["finish_reason"]["type"] == "abort"
+    assert not s.running and not s.waiting and s.stats()["kv_used"] == 0
+    assert s.tree.evictable == s.tree.size and s.abort("unknown") is None
 
 
 def test_stop_on_eos():
     s = make()
-    s.add(request("a", 5))
-    _, finished = step(s, token=1)
-    assert finished[0]["finish_reason"] == {"type": "stop", "matched": 1}
-    assert finished[0]["output_ids"] == [1]
+    s.add(GenerateRequest("a", [5, 6], SamplingParams(max_new_tokens=10, temperature=0)))
+    plan = s.schedule()
+    _, finished = s.process_samples([1], [0.0])
+    assert finished[0]["finish_reason"] == {"type": "stop", "matched": 1} and plan.reqs[0].sample
 
 
-def test_decoding_requests_ride_along_in_prefill_steps():
-    s = make(capacity=100, chunk=8)
-    s.add(request("a", 4))
-    step(s)  # a prefills and samples its first token
-    s.add(request("b", 20))
-    plan, _ = step(s)
-    # b's first chunk (8 - 1 tokens: a's decode token counts against the budget) and a's decode.
-    assert plan.mode == "extend" and plan.rids == ["b", "a"]
-    assert [len(t) for t in plan.new_tokens] == [7, 1] and plan.sample == [False, True]
-    assert plan.new_tokens[1] == [7] and len(s.running[0].output_ids) == 2
+def test_radix_tree_split_lock_evict():
+    t = RadixTree()
+    assert t.insert([1, 2, 3, 4], [11, 12, 13, 14]) == 0
+    assert t.insert([1, 2, 9], [21, 22, 29]) == 2  # 21, 22 stay the caller's
+    slots, node, n = t.match_prefix([1, 2, 3, 7])
+    assert (slots, n) == ([11, 12, 13], 3) and t.size == 5
+    t.lock(node)
+    assert t.evictable == 2  # the [9] leaf and the [4] leaf below the locked node
+    assert sorted(t.evict(10)) == [14, 29]
+    t.unlock(node)
+    assert sorted(t.evict(10)) == [11, 12, 13] and t.size == 0
+
+
+@pytest.mark.parametrize("radix", [True, False])
+def test_many_random_requests_finish_exactly(radix):
+    import random
+
+    rng = random.Random(radix)
+    s = make(capacity=80, chunk=12, max_running=6, radix=radix)
+    prefixes = [[rng.randrange(3, 290) for _ in range(rng.randrange(5, 20))] for _ in range(3)]
+    msgs = []
+    for i in range(40):
+        prompt = rng.choice(prefixes) + [rng.randrange(3, 290) for _ in range(rng.randrange(1, 10))]
+        new = rng.randrange(1, 80 - len(prompt))
+        params = SamplingParams(max_new_tokens=new, temperature=0, ignore_eos=True)
+        msgs.append(GenerateRequest(f"r{i}", prompt, params))
+    outputs = run(s, msgs)
+    for m in msgs:
+        assert outputs[m.rid]["output_ids"] == expected_output(m), m.rid
+    assert s.stats()["kv_used"] == 0

@@ -85,6 +85,8 @@ def test_chat_and_completion_match_engine(client, model, engine_outputs):
     assert chat.choices[0].finish_reason == "length"
     assert chat.usage.prompt_tokens == len(engine_outputs["chat_ids"]) and chat.usage.completion_tokens == NEW
 
+    assert chat.usage.prompt_tokens_details.cached_tokens == 0
+
     stream = client.chat.completions.create(
         messages=CHAT, stream=True, stream_options={"include_usage": True}, **common
     )
@@ -92,6 +94,9 @@ def test_chat_and_completion_match_engine(client, model, engine_outputs):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected["text"]
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-1].usage.completion_tokens == NEW and chunks[-1].choices == []
+    # The same chat again: cache_aware routed it to the group that cached it; all but the last
+    # prompt token came from the prefix cache.
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == chat.usage.prompt_tokens - 1
 
     completion = client.completions.create(prompt=COMPLETION_PROMPT, **common)
     assert completion.choices[0].text == engine_outputs["completion"]["text"]
@@ -184,6 +189,7 @@ def test_native_generate_pins_and_stops(server, engine_outputs):
         assert out["meta_info"]["dp_rank"] == g
         assert out["output_ids"] == expected["output_ids"] and out["text"] == expected["text"]
         assert len(out["meta_info"]["output_token_logprobs"]) == NEW
+        assert 0 <= out["meta_info"]["cached_tokens"] < out["meta_info"]["prompt_tokens"]
     # A stop string taken from the middle of the known output: the text ends right before it.
     text = expected["text"]
     stop = next(
@@ -209,11 +215,15 @@ def test_server_info_and_metrics(server):
     assert len(info["worker_pids"]) == 2
     m = metrics(server)
     for g in (0, 1):
-        assert m[f'dpserve_kv_free_tokens{{dp_rank="{g}"}}'] == POOL
-        assert (
-            f'dpserve_steps_eager_total{{dp_rank="{g}"}}' in m
-            and f'dpserve_num_queue_reqs{{dp_rank="{g}"}}' in m
-        )
+        label = f'{{dp_rank="{g}"}}'
+        # Nothing runs: every slot is free or held by the prefix cache, all of it evictable.
+        assert m[f"dpserve_kv_free_tokens{label}"] + m[f"dpserve_kv_cached_tokens{label}"] == POOL
+        assert m[f"dpserve_kv_cached_tokens{label}"] == m[f"dpserve_kv_evictable_tokens{label}"] > 0
+        assert m[f"dpserve_kv_used_tokens{label}"] == 0 and m[f"dpserve_retractions_total{label}"] == 0
+        assert m[f"dpserve_prefix_cache_hit_tokens_total{label}"] >= 0
+        assert f"dpserve_steps_eager_total{label}" in m and f"dpserve_num_queue_reqs{label}" in m
+    assert m["dpserve_time_to_first_token_seconds_count"] == m["dpserve_requests_total"] > 0
+    assert m["dpserve_time_per_output_token_seconds_count"] > 0
     # Decode steps so far ran padded to a bucket (the CPU's stand-in for graphs), and are counted so.
     assert sum(m[f'dpserve_steps_graph_total{{dp_rank="{g}"}}'] for g in (0, 1)) > 0
     assert httpx.get(f"{server.url}/health").status_code == 200
@@ -258,7 +268,7 @@ BAD_REQUESTS = [
         "/generate",
         {"text": "hi", "sampling_params": {"max_new_tokens": 0}},
         400,
-        "max_new_tokens must be >= 1",
+        "max_new_tokens must be an int >= 1",
     ),
     (
         "/generate",

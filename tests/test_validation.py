@@ -58,10 +58,15 @@ def test_intermediate_not_divisible(model_dirs):
 @pytest.mark.parametrize(
     "params,message",
     [
-        ({"max_new_tokens": 0}, "max_new_tokens must be >= 1"),
-        ({"temperature": -1.0}, "temperature must be >= 0"),
+        ({"max_new_tokens": 0}, "max_new_tokens must be an int >= 1"),
+        ({"max_new_tokens": 2.5}, "max_new_tokens must be an int >= 1"),
+        ({"temperature": -1.0}, "temperature must be a number >= 0"),
+        ({"temperature": "hot"}, "temperature must be a number >= 0"),
         ({"top_p": 0.0}, "top_p must be in (0, 1]"),
-        ({"top_k": 0}, "top_k must be -1 or >= 1"),
+        ({"top_k": 0}, "top_k must be -1 or an int >= 1"),
+        ({"seed": "x"}, "seed must be an int or None"),
+        ({"stop_token_ids": [1, "a"]}, "stop_token_ids must be a list of ints"),
+        ({"ignore_eos": 1}, "ignore_eos must be a bool"),
         ({"min_p": 2.0}, "min_p must be in [0, 1]"),
         ({"max_tokens": 3}, "unknown sampling parameter(s): max_tokens"),
     ],

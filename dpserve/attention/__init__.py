@@ -1,0 +1,1 @@
+"""Attention backends over the paged KV pool (design section 9)."""

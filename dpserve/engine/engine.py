@@ -11,7 +11,7 @@ from dpserve.config import EngineConfig
 from dpserve.engine.workers import WorkerFailure, WorkerSet
 from dpserve.models.config import ModelConfig
 from dpserve.sampling_params import SamplingParams
-from dpserve.scheduler.request import GenerateRequest, check_request_fits
+from dpserve.scheduler.request import GenerateRequest, check_request
 
 __all__ = ["Engine", "WorkerFailure"]
 
@@ -55,6 +55,8 @@ def server_info(cfg: EngineConfig, dp_info: list[dict]) -> dict:
         "dp_padding_mode": cfg.dp_padding_mode,
         "graph_buckets": cfg.graph_buckets,
         "chunked_prefill_size": cfg.chunked_prefill_size,
+        "max_running_requests": cfg.max_running_requests,
+        "radix_cache": not cfg.disable_radix_cache,
         "dp_ranks": [
             {
                 "dp_rank": g,
@@ -84,6 +86,7 @@ class Engine:
         self._step_logs: dict[int, list] = {}
         self.workers = WorkerSet(self.cfg)
         self.dp_info = self.workers.dp_info
+        self._stats = {g: info["stats"] for g, info in enumerate(self.dp_info)}
         log_ready(self.cfg, self.model_cfg, self.dp_info)
 
     # --- public API -------------------------------------------------------------------------
@@ -147,13 +150,22 @@ class Engine:
         if o["finish_reason"]["type"] == "abort":
             raise ValueError(o["finish_reason"]["message"])
         text = self.tokenizer.decode(o["output_ids"], skip_special_tokens=True) if self.tokenizer else ""
-        meta = {k: o[k] for k in ("prompt_tokens", "completion_tokens", "finish_reason", "dp_rank")}
+        meta = {
+            k: o[k]
+            for k in ("prompt_tokens", "completion_tokens", "cached_tokens", "finish_reason", "dp_rank")
+        }
         if o["return_logprob"]:
             meta["output_token_logprobs"] = o["output_token_logprobs"]
         return {"text": text, "output_ids": o["output_ids"], "meta_info": meta}
 
     def get_server_info(self) -> dict:
         return server_info(self.cfg, self.dp_info)
+
+    def get_metrics(self) -> list[dict]:
+        """Per DP rank, the latest load and cache figures its leader reported (the scheduler's
+        `stats()`: running, queued, KV used/free/cached, tokens prefilled and generated, cache
+        hits and evictions, retractions)."""
+        return [dict(self._stats[g]) for g in range(self.cfg.dp_size)]
 
     def get_step_log(self) -> list[list]:
         """Per DP group, the StepRecords of the steps run since the last call (then cleared)."""
@@ -182,8 +194,9 @@ class Engine:
     # --- internals --------------------------------------------------------------------------
 
     def _check_fits(self, input_ids: list[int], params: SamplingParams, group: int) -> None:
+        """The checks the HTTP server applies: nothing invalid ever reaches a worker."""
         capacity = self.dp_info[group]["max_total_num_tokens"]
-        check_request_fits(len(input_ids), params, self.model_cfg.context_len, capacity)
+        check_request(input_ids, params, self.model_cfg.vocab_size, self.model_cfg.context_len, capacity)
 
     def _submit(self, input_ids: list[int], params: SamplingParams, return_logprob: bool, group: int) -> str:
         rid = uuid.uuid4().hex
@@ -196,6 +209,7 @@ class Engine:
         if msg["type"] == "step_log":
             self._step_logs[msg["dp_rank"]] = msg["steps"]
         elif msg["type"] == "step":
+            self._stats[msg["dp_rank"]] = msg["stats"]
             self._results.update((o["rid"], o) for o in msg["finished"])
 
 

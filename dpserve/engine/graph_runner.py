@@ -2,8 +2,8 @@
 
 Every rank captures the same graphs in the same order at start-up (they contain WORLD and
 ATTN_TP collectives). A replay copies the step's inputs into static buffers: token ids,
-positions, KV slots, the attention slot table and mask (padded to a fixed KV width), and
-`row_index`, where each local row sits in the gathered buffer. The graph's shapes depend on
+positions, KV slots, each row's request-to-slot table row and KV length, and `row_index`,
+where each local row sits in the gathered buffer. The graph's shapes depend on
 the bucket alone, so one graph serves any split of the tokens over the DP groups, and an
 idle group replays it with zero real rows. On the CPU the same padded batches run eagerly.
 """
@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm import tqdm
 
-from dpserve.attention.paged import AttentionMetadata
-from dpserve.engine.batch import ForwardBatch
+from dpserve.attention.backend import AttentionMetadata
 from dpserve.layers.dp_attention import DPStep
+from dpserve.models.batch import ForwardBatch
 
 if TYPE_CHECKING:
     from dpserve.engine.model_runner import ModelRunner
@@ -29,7 +29,7 @@ GRAPH_MAX_KV_LEN = 4096
 
 class CudaGraphRunner:
     def __init__(self, runner: ModelRunner):
-        self.model, self.pool = runner.model, runner.pool
+        self.model, self.pool, self.req_to_token = runner.model, runner.pool, runner.req_to_token
         topo, planner, dev = runner.topo, runner.planner, runner.device
         steps = [
             DPStep(mode, (0,) * topo.dp_size, (0,) * topo.dp_size, topo.dp_rank, topo.attn_tp_size, bucket)
@@ -37,16 +37,16 @@ class CudaGraphRunner:
             for bucket in planner.buckets[mode]
         ]
         steps.sort(key=lambda s: -s.local_rows)  # largest first: the smaller graphs reuse its memory
-        rows, kv = steps[0].local_rows, runner.graph_kv_len
+        rows = steps[0].local_rows
+        self.kv_len = runner.graph_kv_len
         self.input_ids = torch.zeros(rows, dtype=torch.long, device=dev)
         self.positions = torch.zeros_like(self.input_ids)
         self.out_slots = torch.zeros_like(self.input_ids)
         self.row_index = torch.zeros_like(self.input_ids)
-        self.slot_table = torch.zeros(rows, kv, dtype=torch.long, device=dev)
-        self.mask = torch.zeros(rows, 1, 1, kv, dtype=torch.bool, device=dev)
-        self.mask[..., 0] = True  # capture warm-up rows attend to slot 0 only (finite, no real KV)
-        self.token_req = torch.arange(rows, device=dev)
-        self.token_col = torch.zeros_like(self.input_ids)
+        # Capture runs padding rows: table row 0 and one key, slot 0 (finite, no real KV).
+        self.req_idx = torch.zeros(rows, dtype=torch.int32, device=dev)
+        self.seq_lens = torch.ones(rows, dtype=torch.int32, device=dev)
+        self.q_start = torch.arange(rows + 1, dtype=torch.int32, device=dev)  # one new token per row
         self.graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         mempool = torch.cuda.graph_pool_handle()
         for step in tqdm(steps, desc="Capturing CUDA graphs", unit="graph", disable=topo.rank != 0):
@@ -65,7 +65,7 @@ class CudaGraphRunner:
     def _static_batch(self, step: DPStep) -> ForwardBatch:
         n = step.local_rows
         attn = AttentionMetadata(
-            self.slot_table[:n], self.mask[:n], self.token_req[:n], self.token_col[:n], 1
+            self.req_to_token, self.req_idx[:n], self.seq_lens[:n], self.q_start[: n + 1], n, 1, self.kv_len
         )
         return ForwardBatch(
             input_ids=self.input_ids[:n],
@@ -85,17 +85,15 @@ class CudaGraphRunner:
         valid until the next replay)."""
         step = batch.step
         graph, out = self.graphs[(step.mode, step.bucket)]
-        n, kv = step.local_rows, batch.attn.slot_table.shape[1]
+        n = step.local_rows
         for static, value in (
             (self.input_ids, batch.input_ids),
             (self.positions, batch.positions),
             (self.out_slots, batch.out_slots),
             (self.row_index, batch.row_index),
+            (self.req_idx, batch.attn.req_idx),
+            (self.seq_lens, batch.attn.seq_lens),
         ):
             static[:n].copy_(value)
-        self.slot_table[:n].zero_()
-        self.slot_table[:n, :kv].copy_(batch.attn.slot_table)
-        self.mask[:n].zero_()
-        self.mask[:n, ..., :kv].copy_(batch.attn.mask)
         graph.replay()
         return out

@@ -11,18 +11,18 @@ from collections.abc import Callable
 
 import torch
 
-from dpserve.attention.paged import AttentionMetadata
+from dpserve.attention.backend import AttentionMetadata
 from dpserve.config import EngineConfig
 from dpserve.distributed import Groups
-from dpserve.engine.batch import ForwardBatch
 from dpserve.engine.graph_runner import GRAPH_MAX_KV_LEN, CudaGraphRunner
 from dpserve.engine.padding import PaddingPlanner, calibrate
 from dpserve.kvcache.pool import KVPool
 from dpserve.layers.dp_attention import DPStep
+from dpserve.models.batch import ForwardBatch
 from dpserve.models.checkpoint import CheckpointReader
 from dpserve.models.config import ModelConfig
 from dpserve.models.registry import build_model
-from dpserve.scheduler.plan import RequestSlots, StepPlan
+from dpserve.scheduler.plan import StepPlan
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,11 @@ class ModelRunner:
             self.kv_bytes_per_token,
             self.max_total_num_tokens * self.kv_bytes_per_token / 2**20,
         )
-        self.slots = RequestSlots()
+        # Pool slot of every position of every running request, kept alike on every rank of the group:
+        # each step writes only its new slots (row 0 stays zero for padded rows).
+        self.req_to_token = torch.zeros(
+            cfg.max_running_requests + 1, model_cfg.context_len, dtype=torch.int32, device=self.device
+        )
         self.graph_kv_len = min(model_cfg.context_len, GRAPH_MAX_KV_LEN)
         self.planner = PaddingPlanner(cfg.dp_padding_mode, cfg.graph_buckets, self.topo)
         self.graphs = CudaGraphRunner(self) if cfg.device == "cuda" and cfg.graph_buckets else None
@@ -92,7 +96,7 @@ class ModelRunner:
         """Whether this group's batch fits a padded decode graph (decode or idle, KV short enough)."""
         if plan.mode == "extend" or not self.cfg.graph_buckets:
             return False
-        return all(len(self.slots.slots[rid]) <= self.graph_kv_len for rid in plan.rids)
+        return all(r.seq_len <= self.graph_kv_len for r in plan.reqs)
 
     def make_step(self, tokens: list[int], logit_rows: list[int], can_pad: bool) -> DPStep:
         """The step's layout from every group's sizes; `can_pad`: every group can use a graph."""
@@ -114,24 +118,43 @@ class ModelRunner:
         return lambda: self._hidden(batch)
 
     def _batch(self, plan: StepPlan, step: DPStep) -> ForwardBatch:
-        dev = self.device
-        q_lens = [len(t) for t in plan.new_tokens]
-        kv_slots = [self.slots.slots[rid] for rid in plan.rids]
-        positions = [len(s) - q + i for s, q in zip(kv_slots, q_lens, strict=True) for i in range(q)]
-        ends = torch.tensor(q_lens, dtype=torch.long).cumsum(0) - 1
-        logit_idx = ends[torch.tensor(plan.sample, dtype=torch.bool)]
-        # Padded rows: token 0 at position 0, one per padded request, in the reserved slot 0.
+        """The step's inputs; host work proportional to the new tokens, not to the contexts."""
+        dev, reqs = self.device, plan.reqs
+        rows, cols, slots = [], [], []  # request-to-slot table entries written this step
+        for r in reqs:
+            rows += [r.row] * (len(r.prefix) + len(r.slots))
+            cols += range(r.start - len(r.prefix), r.seq_len)
+            slots += r.prefix + r.slots
+        if slots:
+            self.req_to_token[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = torch.tensor(
+                slots, dtype=torch.int32, device=dev
+            )
+        positions = [p for r in reqs for p in range(r.start, r.seq_len)]
+        # Padded rows: token 0 at position 0, each a one-token request on row 0, writing slot 0.
         pad = step.local_rows - plan.num_tokens
+        q_lens = [len(r.tokens) for r in reqs] + [1] * pad
+        seq_lens = [r.seq_len for r in reqs] + [1] * pad
+        q_start = torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        sample = torch.tensor([r.sample for r in reqs] + [False] * pad, dtype=torch.bool)
+        attn = AttentionMetadata(
+            req_to_token=self.req_to_token,
+            req_idx=torch.tensor([r.row for r in reqs] + [0] * pad, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            q_start=q_start.to(dev),
+            num_tokens=step.local_rows,
+            max_q_len=max(q_lens, default=0),
+            max_seq_len=max(seq_lens, default=0),
+        )
         return ForwardBatch(
             input_ids=torch.tensor(
-                [t for ts in plan.new_tokens for t in ts] + [0] * pad, dtype=torch.long, device=dev
+                [t for r in reqs for t in r.tokens] + [0] * pad, dtype=torch.long, device=dev
             ),
             positions=torch.tensor(positions + [0] * pad, dtype=torch.long, device=dev),
             out_slots=torch.tensor(
-                [s for ss in plan.new_slots for s in ss] + [0] * pad, dtype=torch.long, device=dev
+                [s for r in reqs for s in r.slots] + [0] * pad, dtype=torch.long, device=dev
             ),
-            attn=AttentionMetadata.build(q_lens + [1] * pad, kv_slots + [[0]] * pad, dev),
-            logit_idx=logit_idx.to(dev),
+            attn=attn,
+            logit_idx=(q_start[1:].long() - 1)[sample].to(dev),
             step=step,
             row_index=torch.tensor(step.row_index(), dtype=torch.long, device=dev),
         )

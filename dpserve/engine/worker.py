@@ -2,9 +2,9 @@
 
 1. the group leader drains its request socket and schedules a StepPlan;
 2. the plan is broadcast inside the group (ATTN_TP, CPU);
-3. every rank all-gathers (tokens, rows to sample, mode, shutdown, can use a graph) over the
-   CPU group, so all agree on the step's layout (padding mode, graph bucket); when every
-   group is idle no forward runs;
+3. every rank all-gathers its group's `GroupStep` (tokens, rows to sample, mode, shutdown, can
+   use a graph) over the CPU group, so all agree on the step's layout (padding mode, graph
+   bucket); when every group is idle no forward runs;
 4. the forward joins every WORLD collective, idle groups with zero rows;
 5. the leader samples, updates its requests and sends finished outputs to the front end.
 """
@@ -29,14 +29,12 @@ from dpserve.distributed import all_gather_ints, broadcast_object, init_groups
 from dpserve.engine.model_runner import ModelRunner
 from dpserve.engine.sampler import sample
 from dpserve.models.config import ModelConfig
-from dpserve.scheduler.plan import StepPlan
+from dpserve.scheduler.plan import MODES, GroupStep, StepPlan
 from dpserve.scheduler.request import GenerateRequest
 from dpserve.scheduler.scheduler import Scheduler
 
 IDLE_POLL_MS = 5
 STEP_LOG_LEN = 100_000
-MODES = ("idle", "decode", "extend")  # ordered so that a step's global kind is the max code
-MODE_CODES = {m: i for i, m in enumerate(MODES)}
 
 logger = logging.getLogger("dpserve.worker")
 
@@ -53,6 +51,7 @@ class StepRecord:
     seconds: float
     real_rows: int  # real tokens of all groups (the MoE rows without padding)
     graph: bool  # padded to a graph bucket (a CUDA graph replay on GPU); False: eager
+    retractions: int = 0  # requests this group retracted to make room for the step
 
 
 @dataclass(frozen=True)
@@ -110,12 +109,14 @@ def _serve(rank: int, cfg: EngineConfig, addrs: WorkerAddresses, ctx: zmq.Contex
             cfg.max_running_requests,
             cfg.chunked_prefill_size,
             model_cfg.context_len,
+            model_cfg.vocab_size,
             model_cfg.eos_token_ids,
             cfg.random_seed,
-            runner.slots,
+            radix_cache=not cfg.disable_radix_cache,
         )
         requests = ctx.socket(zmq.PULL)
         requests.connect(addrs.requests[dp_rank])
+    steps = {"steps_eager": 0, "steps_graph": 0}
     out.send_pyobj(
         {
             "type": "ready",
@@ -123,12 +124,12 @@ def _serve(rank: int, cfg: EngineConfig, addrs: WorkerAddresses, ctx: zmq.Contex
             "dp_rank": dp_rank,
             "max_total_num_tokens": runner.max_total_num_tokens,
             "kv_bytes_per_token": runner.kv_bytes_per_token,
+            "stats": {**scheduler.stats(), **steps} if scheduler else {},
         }
     )
     idle = True
     shutdown = False
     step_log: deque[StepRecord] = deque(maxlen=STEP_LOG_LEN)
-    steps = {"eager": 0, "graph": 0}
     while True:
         plan = None
         if scheduler is not None:
@@ -139,32 +140,38 @@ def _serve(rank: int, cfg: EngineConfig, addrs: WorkerAddresses, ctx: zmq.Contex
             plan = scheduler.schedule()
             plan.shutdown = shutdown
         plan: StepPlan = broadcast_object(plan, leader_rank, groups.attn_tp_cpu)
-        runner.slots.apply(plan)
-        local = [
-            plan.num_tokens,
-            plan.num_samples,
-            MODE_CODES[plan.mode],
-            int(plan.shutdown),
-            int(runner.can_use_graph(plan)),
-        ]
-        meta = all_gather_ints(local, groups.world_cpu)[:: topo.attn_tp_size]  # one row per DP group
-        if meta[:, 3].any():
+        local = GroupStep(
+            tokens=plan.num_tokens,
+            samples=plan.num_samples,
+            mode=MODES.index(plan.mode),
+            shutdown=plan.shutdown,
+            can_pad=runner.can_use_graph(plan),
+        )
+        rows = all_gather_ints(local.to_ints(), groups.world_cpu)[:: topo.attn_tp_size].tolist()
+        group_steps = [GroupStep.from_ints(r) for r in rows]  # one per DP group
+        if any(g.shutdown for g in group_steps):
             break
-        idle = not meta[:, 0].any()
+        idle = not any(g.tokens for g in group_steps)
         if not idle:
             start = time.perf_counter()
-            step = runner.make_step(meta[:, 0].tolist(), meta[:, 1].tolist(), can_pad=bool(meta[:, 4].all()))
+            step = runner.make_step(
+                [g.tokens for g in group_steps],
+                [g.samples for g in group_steps],
+                can_pad=all(g.can_pad for g in group_steps),
+            )
             logits = runner.forward(plan, step)
         if scheduler is None:
             continue
         if not idle:
-            if plan.num_samples:
-                tokens, logprobs = sample(logits, *scheduler.sampling_inputs(plan))
-                report.add(*scheduler.process_samples(plan, tokens, logprobs))
-            steps["graph" if step.graph else "eager"] += 1
+            if plan.reqs:
+                tokens, logprobs = (
+                    sample(logits, *scheduler.sampling_inputs()) if plan.num_samples else ([], [])
+                )
+                report.add(*scheduler.process_samples(tokens, logprobs))
+            steps["steps_graph" if step.graph else "steps_eager"] += 1
             step_log.append(
                 StepRecord(
-                    kind=MODES[int(meta[:, 2].max())],
+                    kind=MODES[max(g.mode for g in group_steps)],
                     local_mode=plan.mode,
                     padding_mode=step.mode,
                     tokens=step.tokens,
@@ -172,10 +179,11 @@ def _serve(rank: int, cfg: EngineConfig, addrs: WorkerAddresses, ctx: zmq.Contex
                     seconds=time.perf_counter() - start,
                     real_rows=step.total_tokens,
                     graph=step.graph,
+                    retractions=scheduler.step_retractions,
                 )
             )
-        if report.changed or plan.rids:
-            out.send_pyobj(report.message(scheduler.stats(), steps))
+        if report.changed or plan.reqs:
+            out.send_pyobj(report.message({**scheduler.stats(), **steps}))
     logger.info("shutting down")
     if groups.world is not None:
         torch.distributed.destroy_process_group()
@@ -196,13 +204,13 @@ class StepReport:
         self.finished += finished
         self.changed = True
 
-    def message(self, stats: dict, steps: dict) -> dict:
+    def message(self, stats: dict) -> dict:
         return {
             "type": "step",
             "dp_rank": self.dp_rank,
             "tokens": self.tokens,
             "finished": self.finished,
-            "stats": {**stats, "steps_eager": steps["eager"], "steps_graph": steps["graph"]},
+            "stats": stats,
         }
 
 

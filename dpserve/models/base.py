@@ -7,12 +7,13 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
+from dpserve.attention.backend import AttentionBackend
 from dpserve.distributed import Groups, all_gather
-from dpserve.engine.batch import ForwardBatch
 from dpserve.kvcache.pool import KVPool
 from dpserve.layers.dp_attention import DPAttentionComm
 from dpserve.layers.mlp import MLP, MoE
 from dpserve.layers.norm import RMSNorm
+from dpserve.models.batch import ForwardBatch
 from dpserve.models.checkpoint import CheckpointReader
 from dpserve.models.config import ModelConfig
 
@@ -38,9 +39,16 @@ class DecoderLayer(nn.Module):
 class CausalLM(nn.Module):
     """Replicated embedding; LM head vocabulary-parallel over WORLD (vocab padded, never cut)."""
 
-    def __init__(self, cfg: ModelConfig, groups: Groups, comm: DPAttentionComm, layers: list[DecoderLayer]):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        groups: Groups,
+        comm: DPAttentionComm,
+        layers: list[DecoderLayer],
+        backend: AttentionBackend,
+    ):
         super().__init__()
-        self.cfg, self.groups, self.comm = cfg, groups, comm
+        self.cfg, self.groups, self.comm, self.attn_backend = cfg, groups, comm, backend
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(layers)
@@ -57,6 +65,7 @@ class CausalLM(nn.Module):
     @torch.no_grad()
     def forward_hidden(self, batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
         """Embedding and decoder layers: the fixed-shape part a CUDA graph captures."""
+        self.attn_backend.prepare(batch.attn)
         hidden = self.embed_tokens(batch.input_ids)
         for layer in self.layers:
             hidden = layer(hidden, batch, pool)

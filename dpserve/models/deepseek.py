@@ -5,14 +5,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dpserve.attention.paged import mla_attention
+from dpserve.attention.backend import AttentionBackend
 from dpserve.distributed import Topology
-from dpserve.engine.batch import ForwardBatch
 from dpserve.kvcache.pool import KVPool
 from dpserve.layers.linear import Linear
 from dpserve.layers.mlp import MLP, MoE
 from dpserve.layers.norm import RMSNorm
 from dpserve.layers.rotary import RotaryEmbedding, yarn_softmax_scale
+from dpserve.models.batch import ForwardBatch
 from dpserve.models.checkpoint import CheckpointReader
 from dpserve.models.config import ModelConfig
 
@@ -26,12 +26,12 @@ class MLAAttention(nn.Module):
     attended latent is mapped out with W_UV, so keys and values are never expanded.
     """
 
-    def __init__(self, cfg: ModelConfig, topo: Topology, layer_id: int):
+    def __init__(self, cfg: ModelConfig, topo: Topology, layer_id: int, backend: AttentionBackend):
         super().__init__()
         hf = cfg.hf
         if getattr(hf, "attention_bias", False):
             raise ValueError("MLA with attention_bias=True is not supported")
-        self.layer_id, self.topo = layer_id, topo
+        self.layer_id, self.topo, self.backend = layer_id, topo, backend
         self.heads = cfg.num_heads // topo.attn_tp_size
         self.nope, self.rope_dim, self.v_dim = hf.qk_nope_head_dim, hf.qk_rope_head_dim, hf.v_head_dim
         self.rank = hf.kv_lora_rank
@@ -69,7 +69,7 @@ class MLAAttention(nn.Module):
         k_pe = self.rotary(k_pe.unsqueeze(1), batch.positions).squeeze(1)
         pool.write(self.layer_id, batch.out_slots, torch.cat([latent, k_pe], dim=-1))
         q_latent = torch.einsum("nhd,hdr->nhr", q_nope, self.w_uk)
-        out_latent = mla_attention(
+        out_latent = self.backend.mla(
             torch.cat([q_latent, q_pe], dim=-1),
             pool.layers[self.layer_id][0],
             batch.attn,
@@ -96,7 +96,9 @@ class MLAAttention(nn.Module):
         self.o_proj.weight.data.copy_(r.get_shard(f"{prefix}.o_proj.weight", 1, shard, count))
 
 
-def build_deepseek_layers(cfg: ModelConfig, topo: Topology) -> list[tuple[nn.Module, nn.Module]]:
+def build_deepseek_layers(
+    cfg: ModelConfig, topo: Topology, backend: AttentionBackend
+) -> list[tuple[nn.Module, nn.Module]]:
     hf, t = cfg.hf, topo.tp_size
     if cfg.arch == "DeepseekV3ForCausalLM":
         defaults = {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}
@@ -107,7 +109,7 @@ def build_deepseek_layers(cfg: ModelConfig, topo: Topology) -> list[tuple[nn.Mod
             setattr(hf, key, value)
     layers = []
     for i in range(cfg.num_layers):
-        attn = MLAAttention(cfg, topo, i)
+        attn = MLAAttention(cfg, topo, i, backend)
         if hf.n_routed_experts and i >= hf.first_k_dense_replace:
             shared = hf.moe_intermediate_size * (hf.n_shared_experts or 0)
             mlp = MoE(hf, hf.moe_intermediate_size // t, shared // t)

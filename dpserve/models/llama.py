@@ -5,13 +5,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dpserve.attention.paged import mha_attention
+from dpserve.attention.backend import AttentionBackend
 from dpserve.distributed import Topology
-from dpserve.engine.batch import ForwardBatch
 from dpserve.kvcache.pool import KVPool
 from dpserve.layers.linear import Linear
 from dpserve.layers.mlp import MLP
 from dpserve.layers.rotary import RotaryEmbedding
+from dpserve.models.batch import ForwardBatch
 from dpserve.models.checkpoint import CheckpointReader
 from dpserve.models.config import ModelConfig
 
@@ -19,13 +19,13 @@ from dpserve.models.config import ModelConfig
 class GQAAttention(nn.Module):
     """Query heads split over ATTN_TP; KV heads split too, or replicated when A > kv heads."""
 
-    def __init__(self, cfg: ModelConfig, topo: Topology, layer_id: int):
+    def __init__(self, cfg: ModelConfig, topo: Topology, layer_id: int, backend: AttentionBackend):
         super().__init__()
         hf = cfg.hf
         if getattr(hf, "attention_bias", False) or getattr(hf, "mlp_bias", False):
             raise ValueError("Llama checkpoints with attention_bias or mlp_bias are not supported")
         a = topo.attn_tp_size
-        self.layer_id, self.topo = layer_id, topo
+        self.layer_id, self.topo, self.backend = layer_id, topo, backend
         self.head_dim = getattr(hf, "head_dim", None) or cfg.hidden_size // cfg.num_heads
         self.heads = cfg.num_heads // a
         self.kv_heads = max(cfg.num_kv_heads // a, 1)
@@ -53,7 +53,7 @@ class GQAAttention(nn.Module):
         q, k = self.rotary(q, batch.positions), self.rotary(k, batch.positions)
         pool.write(self.layer_id, batch.out_slots, k, v)
         k_cache, v_cache = pool.layers[self.layer_id]
-        out = mha_attention(q, k_cache, v_cache, batch.attn, self.scale)
+        out = self.backend.gqa(q, k_cache, v_cache, batch.attn, self.scale)
         return self.o_proj(out.reshape(n, -1))
 
     def _kv_weight(self, r: CheckpointReader, name: str) -> torch.Tensor:
@@ -70,6 +70,8 @@ class GQAAttention(nn.Module):
         self.o_proj.weight.data.copy_(r.get_shard(f"{prefix}.o_proj.weight", 1, shard, count))
 
 
-def build_llama_layers(cfg: ModelConfig, topo: Topology) -> list[tuple[nn.Module, nn.Module]]:
+def build_llama_layers(
+    cfg: ModelConfig, topo: Topology, backend: AttentionBackend
+) -> list[tuple[nn.Module, nn.Module]]:
     inter = cfg.hf.intermediate_size // topo.tp_size
-    return [(GQAAttention(cfg, topo, i), MLP(cfg.hidden_size, inter)) for i in range(cfg.num_layers)]
+    return [(GQAAttention(cfg, topo, i, backend), MLP(cfg.hidden_size, inter)) for i in range(cfg.num_layers)]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dpserve.attention.backend import AttentionBackend
+from dpserve.attention.sdpa import SdpaBackend
 from dpserve.distributed import Groups
 from dpserve.layers.dp_attention import DPAttentionComm
 from dpserve.models.base import CausalLM, DecoderLayer
@@ -16,7 +18,9 @@ LAYER_BUILDERS = {
 }
 
 
-def build_model(cfg: ModelConfig, groups: Groups) -> CausalLM:
+def build_model(cfg: ModelConfig, groups: Groups, backend: AttentionBackend | None = None) -> CausalLM:
+    backend = backend or SdpaBackend()
     comm = DPAttentionComm(groups)
-    pairs = LAYER_BUILDERS[cfg.arch](cfg, groups.topo)
-    return CausalLM(cfg, groups, comm, [DecoderLayer(cfg, attn, mlp, comm) for attn, mlp in pairs])
+    pairs = LAYER_BUILDERS[cfg.arch](cfg, groups.topo, backend)
+    layers = [DecoderLayer(cfg, attn, mlp, comm) for attn, mlp in pairs]
+    return CausalLM(cfg, groups, comm, layers, backend)

@@ -1,37 +1,65 @@
-"""The step plan: what a group leader's scheduler decides and broadcasts to its group."""
+"""What every rank must agree on per step, in one place.
+
+`StepPlan`: what a group leader's scheduler decides and broadcasts inside its group (ATTN_TP).
+`GroupStep`: the few numbers every group then all-gathers over WORLD, from which every rank
+derives the step's layout (padding mode, graph bucket) identically.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field, fields
+
+MODES = ("idle", "decode", "extend")  # ordered so that a step's global kind is the largest
+
+
+@dataclass
+class ReqStep:
+    """One request's part of a step. Every rank of the group applies it to its request-to-slot
+    table: `prefix` at positions [0, start) when the request (re)starts on cached slots, then the
+    new tokens' `slots` at [start, start + len(tokens))."""
+
+    row: int  # the request's row of the request-to-slot table
+    start: int  # tokens of the request already in the KV cache
+    tokens: list[int]  # new tokens fed this step
+    slots: list[int]  # KV slots the new tokens are written to
+    sample: bool  # whether the next token is sampled after the last new token
+    prefix: list[int] = field(default_factory=list)
+
+    @property
+    def seq_len(self) -> int:
+        return self.start + len(self.tokens)
 
 
 @dataclass
 class StepPlan:
-    mode: str = "idle"  # "extend", "decode" or "idle"
-    rids: list[str] = field(default_factory=list)
-    new_tokens: list[list[int]] = field(default_factory=list)  # per request
-    new_slots: list[list[int]] = field(default_factory=list)  # KV slots for those tokens
-    sample: list[bool] = field(default_factory=list)  # whether a token is sampled for the request
-    freed: list[str] = field(default_factory=list)  # requests whose slots are released
+    mode: str = "idle"  # "extend" (some request prefills), "decode" or "idle"
+    reqs: list[ReqStep] = field(default_factory=list)
     shutdown: bool = False
 
     @property
     def num_tokens(self) -> int:
-        return sum(len(t) for t in self.new_tokens)
+        return sum(len(r.tokens) for r in self.reqs)
 
     @property
     def num_samples(self) -> int:
-        return sum(self.sample)
+        return sum(r.sample for r in self.reqs)
 
 
-class RequestSlots:
-    """rid -> KV slots of its tokens, kept identically on every rank of a group."""
+@dataclass(frozen=True)
+class GroupStep:
+    """One DP group's figures for a step, all-gathered as ints over WORLD."""
 
-    def __init__(self) -> None:
-        self.slots: dict[str, list[int]] = {}
+    tokens: int  # new tokens of the group (its rows before padding)
+    samples: int  # rows that need logits
+    mode: int  # index into MODES
+    shutdown: bool
+    can_pad: bool  # the group's batch fits a padded decode graph
 
-    def apply(self, plan: StepPlan) -> None:
-        for rid in plan.freed:
-            self.slots.pop(rid, None)
-        for rid, new in zip(plan.rids, plan.new_slots, strict=True):
-            self.slots.setdefault(rid, []).extend(new)
+    def to_ints(self) -> list[int]:
+        return [int(v) for v in astuple(self)]
+
+    @classmethod
+    def from_ints(cls, values: list[int]) -> GroupStep:
+        return cls(
+            *(bool(v) if f.type == "bool" else int(v) for f, v in zip(fields(cls), values, strict=True))
+        )

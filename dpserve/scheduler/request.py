@@ -1,4 +1,5 @@
-"""A request as its group's scheduler tracks it, and the messages that carry requests."""
+"""A request as its group's scheduler tracks it, the message that carries it, and the checks
+every entry point (HTTP, offline Engine, scheduler) applies before a request may run."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dpserve.kvcache.radix_cache import Node
 from dpserve.sampling_params import SamplingParams
 
 
@@ -25,30 +27,66 @@ class Req:
     input_ids: list[int]
     params: SamplingParams
     return_logprob: bool
-    reserved_tokens: int  # KV slots set aside for this request's whole life
+    max_len: int  # the most tokens this request can ever hold in the KV cache
     generator: torch.Generator | None = None
-    kv_len: int = 0  # tokens whose KV is in the pool
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    # While admitted (running):
+    row: int = 0  # request-to-slot table row (0: not admitted)
+    prefill_len: int = 0  # tokens to prefill since admission: prompt + what it generated before
+    slots: list[int] = field(default_factory=list)  # KV slots of its first len(slots) tokens
+    node: Node | None = None  # radix tree node it locks: its first `cached_len` slots belong to the tree
+    cached_len: int = 0
+    dup_slots: list[int] = field(default_factory=list)  # own copies of tokens the tree also holds
+    # Accounting:
+    cached_tokens: int | None = None  # prompt tokens found in the cache at first admission
+    retractions: int = 0
+    protected: bool = False  # admitted with its whole need reserved: never retracted again
 
     @property
-    def prefill_done(self) -> bool:
-        return self.kv_len >= len(self.input_ids)
+    def kv_len(self) -> int:
+        return len(self.slots)
 
     @property
     def seq_len(self) -> int:
         return len(self.input_ids) + len(self.output_ids)
 
+    @property
+    def fill_ids(self) -> list[int]:
+        return self.input_ids + self.output_ids
 
-def check_request_fits(prompt_len: int, params: SamplingParams, context_len: int, kv_capacity: int) -> None:
+    @property
+    def prefill_done(self) -> bool:
+        return self.row > 0 and self.kv_len >= self.prefill_len
+
+    @property
+    def remaining_new_tokens(self) -> int:
+        """Tokens it may still generate (each needs a KV slot, but the last)."""
+        return max(0, self.max_len - self.seq_len)
+
+
+def max_kv_len(prompt_len: int, params: SamplingParams, context_len: int) -> int:
+    return min(prompt_len + params.max_new_tokens, context_len)
+
+
+def check_request(
+    input_ids: list[int], params: SamplingParams, vocab_size: int, context_len: int, kv_capacity: int
+) -> None:
     """Raises ValueError, naming the numbers, for a request this engine can never run."""
-    if prompt_len == 0:
+    if not input_ids:
         raise ValueError("the prompt is empty")
+    bad = next((t for t in input_ids if not isinstance(t, int) or not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"token id {bad!r} is outside the vocabulary [0, {vocab_size})")
+    bad = next((t for t in params.stop_token_ids if not isinstance(t, int) or not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"stop token id {bad!r} is outside the vocabulary [0, {vocab_size})")
+    prompt_len = len(input_ids)
     if prompt_len >= context_len:
         raise ValueError(
             f"the prompt has {prompt_len} tokens, but the model's context length is {context_len}"
         )
-    need = min(prompt_len + params.max_new_tokens, context_len)
+    need = max_kv_len(prompt_len, params, context_len)
     if need > kv_capacity:
         raise ValueError(
             f"the request needs {need} KV tokens ({prompt_len} prompt + up to {need - prompt_len} new), "

@@ -1,22 +1,42 @@
-"""Continuous batching for one DP group, run by the group's attn_tp_rank 0."""
+"""Continuous batching for one DP group, run by the group's attn_tp_rank 0 (design section 5).
+
+Memory is taken on demand. A request is admitted when its uncached prompt plus an estimate of
+its decode tokens fits (`new_token_ratio` of what it may still generate: it decays while memory
+is plentiful and jumps back after a retraction); decode slots are taken step by step. When a
+step cannot get its decode slots, unlocked prefix-cache entries are evicted, then running
+requests are retracted (fewest generated tokens first; ties: longest prompt): a retracted
+request frees its KV (its prefix stays cached), goes back to the front of the queue and resumes
+by prefilling prompt + generated tokens, so its output is unchanged. A request retracted
+`MAX_RETRACTIONS` times is next admitted with its whole need reserved and never retracted again,
+so every request finishes.
+
+Each step prefills up to `chunk_size` prompt tokens (continuing a chunked prompt first), and
+every request already decoding rides along with one token.
+"""
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 
 import torch
 
 from dpserve.kvcache.pool import SlotAllocator
-from dpserve.scheduler.plan import RequestSlots, StepPlan
-from dpserve.scheduler.request import GenerateRequest, Req, check_request_fits
+from dpserve.kvcache.radix_cache import RadixTree
+from dpserve.scheduler.plan import ReqStep, StepPlan
+from dpserve.scheduler.request import GenerateRequest, Req, check_request, max_kv_len
+
+logger = logging.getLogger(__name__)
+
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO = 0.1
+NEW_TOKEN_RATIO_DECAY = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / 600  # per step without retraction
+NEW_TOKEN_RATIO_STEP_UP = 0.1  # after a retraction at or above the initial ratio
+ESTIMATE_CLIP = 4096  # decode tokens counted per request in the estimate (as SGLang)
+MAX_RETRACTIONS = 3
 
 
 class Scheduler:
-    """Continuous batching: a step prefills waiting prompts (chunked, `chunk_size` tokens per step
-    including the decode tokens that ride along) and decodes every running request. A request is
-    admitted only when its whole KV need (prompt + max_new_tokens) can be reserved, so running
-    requests never run out of slots; the rest wait in the queue."""
-
     def __init__(
         self,
         dp_rank: int,
@@ -24,132 +44,251 @@ class Scheduler:
         max_running: int,
         chunk_size: int,
         context_len: int,
+        vocab_size: int,
         eos_ids: tuple[int, ...],
         seed: int,
-        slots: RequestSlots,
+        radix_cache: bool = True,
     ):
         self.dp_rank = dp_rank
         self.kv_capacity = kv_capacity
-        self.max_running, self.chunk_size, self.context_len = max_running, chunk_size, context_len
+        self.max_running, self.chunk_size = max_running, chunk_size
+        self.context_len, self.vocab_size = context_len, vocab_size
         self.eos_ids = set(eos_ids)
         self.allocator = SlotAllocator(kv_capacity)
-        self.slots = slots
+        self.tree = RadixTree() if radix_cache else None
+        self.free_rows = list(range(max_running, 0, -1))  # row 0 is the padding row
         self.generator = torch.Generator().manual_seed(seed + dp_rank)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
-        self.reserved = 0
-        self.to_free: list[str] = []
-        self.generated_tokens = 0  # since start, for /metrics
-        self.prefilled_tokens = 0
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        self._step_reqs: list[Req] = []  # the last plan's requests, in its order
+        self._prefilled: list[Req] = []  # those of them that prefilled
+        self.counters = dict.fromkeys(
+            (
+                "generated_tokens",
+                "prefilled_tokens",
+                "retractions",
+                "cache_hit_tokens",
+                "cache_evicted_tokens",
+            ),
+            0,
+        )
+        self.step_retractions = 0  # in the last schedule() call
+
+    # --- requests in and out ---------------------------------------------------------------------
 
     def add(self, msg: GenerateRequest) -> dict | None:
         """Queues a request; returns an error output if it can never run."""
         try:
-            check_request_fits(len(msg.input_ids), msg.params, self.context_len, self.kv_capacity)
+            check_request(msg.input_ids, msg.params, self.vocab_size, self.context_len, self.kv_capacity)
         except ValueError as e:
-            reason = {"type": "abort", "message": str(e)}
-            return self._output(msg.rid, msg.input_ids, [], [], msg.return_logprob, reason)
+            req = Req(msg.rid, msg.input_ids, msg.params, msg.return_logprob, 0)
+            return self._output(req, {"type": "abort", "message": str(e)})
         gen = None if msg.params.seed is None else torch.Generator().manual_seed(msg.params.seed)
-        need = min(len(msg.input_ids) + msg.params.max_new_tokens, self.context_len)
-        self.waiting.append(Req(msg.rid, msg.input_ids, msg.params, msg.return_logprob, need, gen))
+        max_len = max_kv_len(len(msg.input_ids), msg.params, self.context_len)
+        self.waiting.append(Req(msg.rid, msg.input_ids, msg.params, msg.return_logprob, max_len, gen))
         return None
 
     def abort(self, rid: str) -> dict | None:
-        for req in list(self.waiting):
-            if req.rid == rid:
-                self.waiting.remove(req)
-                return self._finish(req, {"type": "abort", "message": "aborted"})
-        for req in self.running:
+        for req in [*self.waiting, *self.running]:
             if req.rid == rid:
                 return self._finish(req, {"type": "abort", "message": "aborted"})
         return None
 
+    # --- scheduling ------------------------------------------------------------------------------
+
     def schedule(self) -> StepPlan:
-        plan = self._schedule_extend() or self._schedule_decode()
-        plan.freed, self.to_free = self.to_free, []
-        return plan
-
-    def _schedule_extend(self) -> StepPlan | None:
-        # Requests already decoding ride along in the prefill step (mixed batch), so new arrivals
-        # never stall them; their tokens count against the step's budget.
-        decoding = [r for r in self.running if r.prefill_done]
-        plan, budget = StepPlan(mode="extend"), self.chunk_size - len(decoding)
-        # A request whose prompt was split into chunks continues first.
-        for req in self.running:
-            if not req.prefill_done and budget > 0:
-                budget -= self._add_chunk(plan, req, budget)
-        while self.waiting and budget > 0 and len(self.running) < self.max_running:
-            req = self.waiting[0]
-            if self.reserved + req.reserved_tokens > self.kv_capacity:
-                break
-            self.waiting.popleft()
-            self.reserved += req.reserved_tokens
-            self.running.append(req)
-            budget -= self._add_chunk(plan, req, budget)
-        if not plan.rids:
-            return None
+        self.step_retractions = 0
+        decoding = self._make_room([r for r in self.running if r.prefill_done])
+        plan, self._step_reqs, self._prefilled = StepPlan(), [], []
+        budget = self.chunk_size
+        for req in [r for r in self.running if not r.prefill_done]:  # a chunked prompt continues first
+            budget -= self._add_chunk(plan, req, budget, reserved=len(decoding))
+        while (
+            self.waiting
+            and budget > 0
+            and len(self.running) < self.max_running
+            and self._admit(self.waiting[0], reserved=len(decoding))
+        ):
+            req = self.waiting.popleft()
+            budget -= self._add_chunk(plan, req, budget, reserved=len(decoding), prefix=list(req.slots))
         for req in decoding:
-            self._add_decode(plan, req)
+            slot = self._alloc(1)
+            plan.reqs.append(ReqStep(req.row, req.kv_len, [req.output_ids[-1]], slot, sample=True))
+            self._step_reqs.append(req)
+            req.slots += slot
+        plan.mode = "extend" if self._prefilled else "decode" if decoding else "idle"
+        if self.step_retractions:
+            self.new_token_ratio = min(
+                1.0, max(INIT_NEW_TOKEN_RATIO, self.new_token_ratio + NEW_TOKEN_RATIO_STEP_UP)
+            )
+        elif plan.reqs:
+            self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         return plan
 
-    def _add_chunk(self, plan: StepPlan, req: Req, budget: int) -> int:
-        n = min(budget, len(req.input_ids) - req.kv_len)
-        plan.rids.append(req.rid)
-        plan.new_tokens.append(req.input_ids[req.kv_len : req.kv_len + n])
-        plan.new_slots.append(self.allocator.alloc(n))
-        req.kv_len += n
-        plan.sample.append(req.prefill_done)
-        self.prefilled_tokens += n
+    @property
+    def available(self) -> int:
+        """Slots a request can get now: free, or held by unlocked cache entries."""
+        return self.allocator.num_free + (self.tree.evictable if self.tree else 0)
+
+    def _estimate(self, req: Req) -> int:
+        """Slots a running request is expected to take from now on: the rest of its prefill and a
+        share of its decode budget."""
+        return max(0, req.prefill_len - req.kv_len) + self._estimate_decode(req)
+
+    def _estimate_decode(self, req: Req) -> int:
+        decode = req.remaining_new_tokens
+        return decode if req.protected else int(min(decode, ESTIMATE_CLIP) * self.new_token_ratio)
+
+    def _make_room(self, decoding: list[Req]) -> list[Req]:
+        """Retracts running requests until every request in `decoding` can get its slot this step;
+        returns those still running."""
+        while self.available < len(decoding):
+            victims = [r for r in self.running if not r.protected]
+            if not victims:  # protected requests' whole needs fit the pool together (see _admit)
+                raise RuntimeError(f"dp_rank {self.dp_rank}: {len(decoding)} decode slots cannot be found")
+            victim = min(victims, key=lambda r: (len(r.output_ids), -len(r.input_ids)))
+            self._retract(victim)
+            decoding = [r for r in decoding if r is not victim]
+        return decoding
+
+    def _admit(self, req: Req, reserved: int) -> bool:
+        """Admits `req` if its uncached prompt and estimated decode tokens fit beside the running
+        requests' estimates and this step's `reserved` decode slots: locks its cached prefix
+        (`req.slots`), takes a table row."""
+        if req.retractions >= MAX_RETRACTIONS and not req.protected:
+            # Protected requests are never retracted, so their whole needs must fit the pool together.
+            if sum(r.max_len for r in self.running if r.protected) + req.max_len > self.kv_capacity:
+                return False  # wait for them to finish, admitting nobody else
+            req.protected = True
+        req.prefill_len = len(req.input_ids) + len(req.output_ids)
+        node, cached = None, []
+        if self.tree is not None:
+            # At least one token is left to prefill: its logits give the next token.
+            cached, node, _ = self.tree.match_prefix(req.fill_ids[: req.prefill_len - 1])
+            self.tree.lock(node)
+        others = sum(self._estimate(r) for r in self.running) + reserved
+        if self.available - others < req.prefill_len - len(cached) + self._estimate_decode(req):
+            if node is not None:
+                self.tree.unlock(node)
+            return False
+        req.row = self.free_rows.pop()
+        req.node, req.slots, req.cached_len = node, list(cached), len(cached)
+        if req.cached_tokens is None:
+            req.cached_tokens = min(len(cached), len(req.input_ids))
+        self.counters["cache_hit_tokens"] += len(cached)
+        self.running.append(req)
+        return True
+
+    def _add_chunk(
+        self, plan: StepPlan, req: Req, budget: int, reserved: int, prefix: list[int] | None = None
+    ) -> int:
+        """Adds up to `budget` of `req`'s prompt tokens, as many as memory allows beside the
+        `reserved` decode slots of this step; returns the tokens added. `prefix`: the cached slots
+        of a request admitted in this step."""
+        n = min(budget, req.prefill_len - req.kv_len, self.available - reserved)
+        if n <= 0:
+            return 0
+        start = req.kv_len
+        slots = self._alloc(n)
+        done = start + n == req.prefill_len
+        plan.reqs.append(ReqStep(req.row, start, req.fill_ids[start : start + n], slots, done, prefix or []))
+        self._step_reqs.append(req)
+        self._prefilled.append(req)
+        req.slots += slots
+        self.counters["prefilled_tokens"] += n
         return n
 
-    def _schedule_decode(self) -> StepPlan:
-        plan = StepPlan(mode="decode" if self.running else "idle")
-        for req in self.running:
-            self._add_decode(plan, req)
-        return plan
+    def _alloc(self, n: int) -> list[int]:
+        short = n - self.allocator.num_free
+        if short > 0 and self.tree is not None:
+            freed = self.tree.evict(short)
+            self.allocator.free(freed)
+            self.counters["cache_evicted_tokens"] += len(freed)
+        return self.allocator.alloc(n)
 
-    def _add_decode(self, plan: StepPlan, req: Req) -> None:
-        plan.rids.append(req.rid)
-        plan.new_tokens.append([req.output_ids[-1]])
-        plan.new_slots.append(self.allocator.alloc(1))
-        plan.sample.append(True)
-        req.kv_len += 1
+    def _retract(self, req: Req) -> None:
+        self._release(req)
+        self.running.remove(req)
+        req.retractions += 1
+        self.waiting.appendleft(req)
+        self.counters["retractions"] += 1
+        self.step_retractions += 1
+        logger.info(
+            "dp_rank %d: retracted request %s (%d prompt + %d generated tokens, retraction %d); "
+            "%d slots available",
+            self.dp_rank,
+            req.rid,
+            len(req.input_ids),
+            len(req.output_ids),
+            req.retractions,
+            self.available,
+        )
 
-    def sampling_inputs(self, plan: StepPlan) -> tuple[list, list[torch.Generator]]:
-        """Sampling parameters and generators of the plan's requests that sample this step."""
-        reqs = self._sampled(plan)
+    def _release(self, req: Req) -> None:
+        """Gives back what an admitted request holds; its KV stays in the prefix cache."""
+        if self.tree is not None:
+            self._cache(req)
+            self.tree.unlock(req.node)
+            self.allocator.free(req.dup_slots)
+        else:
+            self.allocator.free(req.slots)
+        self.free_rows.append(req.row)
+        req.row, req.slots, req.node, req.cached_len, req.dup_slots = 0, [], None, 0, []
+
+    def _cache(self, req: Req) -> None:
+        """Puts the request's KV into the prefix cache and locks it there instead of its old node."""
+        tokens = req.fill_ids[: req.kv_len]
+        held = self.tree.insert(tokens, req.slots)
+        # Tokens another request inserted meanwhile: the tree keeps its slots, ours are copies.
+        req.dup_slots += req.slots[req.cached_len : held]
+        _, node, _ = self.tree.match_prefix(tokens)
+        self.tree.lock(node)
+        self.tree.unlock(req.node)
+        req.node, req.cached_len = node, len(tokens)
+
+    # --- after the forward -----------------------------------------------------------------------
+
+    def sampling_inputs(self) -> tuple[list, list[torch.Generator]]:
+        """Sampling parameters and generators of the last plan's requests that sample."""
+        reqs = self._sampled()
         return [r.params for r in reqs], [r.generator or self.generator for r in reqs]
 
-    def _sampled(self, plan: StepPlan) -> list[Req]:
-        by_rid = {r.rid: r for r in self.running}
-        return [by_rid[rid] for rid, s in zip(plan.rids, plan.sample, strict=True) if s]
+    def _sampled(self) -> list[Req]:
+        return [r for r in self._step_reqs if r.prefill_done]
 
     def process_samples(
-        self, plan: StepPlan, tokens: list[int], logprobs: list[float]
+        self, tokens: list[int], logprobs: list[float]
     ) -> tuple[list[tuple[str, int, float]], list[dict]]:
         """Appends the sampled tokens; returns them as (rid, token, logprob) and the outputs of the
-        requests that finished."""
+        requests that finished. Freshly prefilled prompts go into the prefix cache."""
+        if self.tree is not None:
+            for req in self._prefilled:
+                self._cache(req)
         new, finished = [], []
-        for req, tok, lp in zip(self._sampled(plan), tokens, logprobs, strict=True):
+        for req, tok, lp in zip(self._sampled(), tokens, logprobs, strict=True):
             req.output_ids.append(tok)
             req.logprobs.append(lp)
             new.append((req.rid, tok, lp))
             reason = self._finish_reason(req, tok)
             if reason is not None:
                 finished.append(self._finish(req, reason))
-        self.generated_tokens += len(new)
+        self.counters["generated_tokens"] += len(new)
         return new, finished
 
     def stats(self) -> dict:
-        """Load figures of this DP group, for routing and /metrics."""
+        """Load and cache figures of this DP group, for routing and /metrics."""
+        cached = self.tree.size if self.tree else 0
         return {
             "running": len(self.running),
             "queued": len(self.waiting),
-            "kv_used": self.kv_capacity - self.allocator.num_free,
+            "kv_used": self.kv_capacity - self.available,
             "kv_free": self.allocator.num_free,
-            "kv_reserved": self.reserved,
-            "generated_tokens": self.generated_tokens,
-            "prefilled_tokens": self.prefilled_tokens,
+            "kv_reserved": sum(self._estimate(r) for r in self.running),
+            "kv_cached": cached,
+            "kv_evictable": self.tree.evictable if self.tree else 0,
+            "new_token_ratio": self.new_token_ratio,
+            **self.counters,
         }
 
     def _finish_reason(self, req: Req, tok: int) -> dict | None:
@@ -162,23 +301,21 @@ class Scheduler:
 
     def _finish(self, req: Req, reason: dict) -> dict:
         if req in self.running:
+            self._release(req)
             self.running.remove(req)
-            self.reserved -= req.reserved_tokens
-            self.allocator.free(self.slots.slots.pop(req.rid, []))
-            self.to_free.append(req.rid)
-        logprobs = req.logprobs if req.return_logprob else []
-        return self._output(req.rid, req.input_ids, req.output_ids, logprobs, req.return_logprob, reason)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        return self._output(req, reason)
 
-    def _output(
-        self, rid: str, input_ids: list[int], output_ids: list[int], logprobs, return_logprob: bool, reason
-    ) -> dict:
+    def _output(self, req: Req, reason: dict) -> dict:
         return {
-            "rid": rid,
-            "output_ids": list(output_ids),
-            "return_logprob": return_logprob,
-            "output_token_logprobs": list(logprobs),
+            "rid": req.rid,
+            "output_ids": list(req.output_ids),
+            "return_logprob": req.return_logprob,
+            "output_token_logprobs": list(req.logprobs) if req.return_logprob else [],
             "finish_reason": reason,
-            "prompt_tokens": len(input_ids),
-            "completion_tokens": len(output_ids),
+            "prompt_tokens": len(req.input_ids),
+            "completion_tokens": len(req.output_ids),
+            "cached_tokens": req.cached_tokens or 0,
             "dp_rank": self.dp_rank,
         }

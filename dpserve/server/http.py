@@ -11,10 +11,10 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from dpserve.sampling_params import SamplingParams
-from dpserve.server.metrics import render_metrics
+from dpserve.server.metrics import CONTENT_TYPE
 from dpserve.server.openai_api import OpenAIServing
 from dpserve.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequestBody
 from dpserve.server.streams import ClientDisconnected, collect, merge, sse
@@ -85,7 +85,7 @@ def create_app(tm: TokenizerManager, model_name: str) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(render_metrics(tm.metrics()), media_type="text/plain; version=0.0.4")
+        return Response(tm.metrics_registry.render(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models():
@@ -161,6 +161,7 @@ def _native_output(chunks: list[Chunk], with_logprobs: bool) -> dict:
     meta = {
         "prompt_tokens": last.prompt_tokens,
         "completion_tokens": last.completion_tokens,
+        "cached_tokens": last.cached_tokens,
         "finish_reason": last.finish_reason,
         "dp_rank": last.dp_rank,
     }

@@ -1,20 +1,38 @@
-"""Prometheus text exposition of the front end's counters and each DP rank's load."""
+"""Prometheus metrics through prometheus_client: the front end's counters, each DP rank's load
+and cache figures (read from the latest worker reports at scrape time), and latency histograms."""
 
 from __future__ import annotations
 
-# name, type, help, key in a DP rank's figures
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# name (counters get "_total" appended), kind, help, key in a DP rank's figures
 PER_DP_RANK = [
     ("num_running_reqs", "gauge", "Requests in the running batch", "running"),
-    ("num_queue_reqs", "gauge", "Requests waiting for admission", "queued"),
-    ("kv_used_tokens", "gauge", "KV pool slots holding tokens", "kv_used"),
-    ("kv_free_tokens", "gauge", "KV pool slots free", "kv_free"),
+    ("num_queue_reqs", "gauge", "Requests waiting for admission (retracted ones included)", "queued"),
+    (
+        "kv_used_tokens",
+        "gauge",
+        "KV slots held by running requests (their cached prefixes included)",
+        "kv_used",
+    ),
+    ("kv_free_tokens", "gauge", "KV slots free", "kv_free"),
     (
         "kv_reserved_tokens",
         "gauge",
-        "KV slots reserved for admitted requests (prompt + max new)",
+        "KV slots the admission estimate expects running requests to take (rest of prefill + "
+        "new_token_ratio of their decode budget)",
         "kv_reserved",
     ),
+    ("kv_cached_tokens", "gauge", "KV slots held by the radix prefix cache", "kv_cached"),
+    ("kv_evictable_tokens", "gauge", "Prefix-cache slots no running request uses", "kv_evictable"),
     ("max_total_num_tokens", "gauge", "KV pool size in tokens", "max_total_num_tokens"),
+    ("new_token_ratio", "gauge", "Share of decode budgets counted at admission", "new_token_ratio"),
     (
         "outstanding_tokens",
         "gauge",
@@ -22,35 +40,71 @@ PER_DP_RANK = [
         "outstanding_tokens",
     ),
     ("inflight_requests", "gauge", "Router's count of requests in flight", "inflight_requests"),
-    ("generation_tokens_total", "counter", "Tokens generated", "generated_tokens"),
-    ("prefill_tokens_total", "counter", "Prompt tokens prefilled", "prefilled_tokens"),
-    ("steps_eager_total", "counter", "Forward steps run eagerly (no captured graph)", "steps_eager"),
+    ("generation_tokens", "counter", "Tokens generated", "generated_tokens"),
+    ("prefill_tokens", "counter", "Prompt tokens prefilled (cache hits excluded)", "prefilled_tokens"),
+    ("prefix_cache_hit_tokens", "counter", "Prompt tokens found in the prefix cache", "cache_hit_tokens"),
     (
-        "steps_graph_total",
+        "prefix_cache_evicted_tokens",
         "counter",
-        "Forward steps run as captured graphs (padded buckets on CPU)",
-        "steps_graph",
+        "Prefix-cache tokens evicted to make room",
+        "cache_evicted_tokens",
     ),
+    ("retractions", "counter", "Running requests retracted under memory pressure", "retractions"),
+    ("steps_eager", "counter", "Forward steps run eagerly (no captured graph)", "steps_eager"),
+    ("steps_graph", "counter", "Forward steps run as captured graphs (padded buckets on CPU)", "steps_graph"),
 ]
 
 FRONT_END = [
-    ("requests_total", "counter", "Sequences submitted", "requests"),
-    ("prompt_tokens_total", "counter", "Prompt tokens submitted", "prompt_tokens"),
-    (
-        "aborted_requests_total",
-        "counter",
-        "Sequences aborted (client gone, stop string, shutdown)",
-        "aborted",
-    ),
+    ("requests", "counter", "Sequences submitted", "requests"),
+    ("prompt_tokens", "counter", "Prompt tokens submitted", "prompt_tokens"),
+    ("aborted_requests", "counter", "Sequences aborted (client gone, stop string, shutdown)", "aborted"),
 ]
 
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, float("inf"))
 
-def render_metrics(m: dict) -> str:
-    lines = []
-    for name, kind, text, key in FRONT_END:
-        lines += [f"# HELP dpserve_{name} {text}", f"# TYPE dpserve_{name} {kind}"]
-        lines.append(f"dpserve_{name} {m['counters'][key]}")
-    for name, kind, text, key in PER_DP_RANK:
-        lines += [f"# HELP dpserve_{name} {text}", f"# TYPE dpserve_{name} {kind}"]
-        lines += [f'dpserve_{name}{{dp_rank="{r["dp_rank"]}"}} {r[key]}' for r in m["dp_ranks"]]
-    return "\n".join(lines) + "\n"
+
+class _Snapshot(Collector):
+    """Turns the front end's figures into metric families at each scrape."""
+
+    def __init__(self, figures: Callable[[], dict]):
+        self.figures = figures
+
+    def collect(self) -> Iterator[Metric]:
+        m = self.figures()
+        for name, kind, text, key in FRONT_END:
+            family = _family(kind, name, text, [])
+            family.add_metric([], m["counters"][key])
+            yield family
+        for name, kind, text, key in PER_DP_RANK:
+            family = _family(kind, name, text, ["dp_rank"])
+            for r in m["dp_ranks"]:
+                family.add_metric([str(r["dp_rank"])], r[key])
+            yield family
+
+
+def _family(kind: str, name: str, text: str, labels: list[str]) -> Metric:
+    cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+    return cls(f"dpserve_{name}", text, labels=labels)
+
+
+class ServerMetrics:
+    """The registry /metrics exposes; the front end observes request latencies into it."""
+
+    def __init__(self, figures: Callable[[], dict]):
+        self.registry = CollectorRegistry()
+        self.registry.register(_Snapshot(figures))
+        self.time_to_first_token = Histogram(
+            "dpserve_time_to_first_token_seconds",
+            "Seconds from a request's arrival to its first token",
+            registry=self.registry,
+            buckets=LATENCY_BUCKETS,
+        )
+        self.time_per_output_token = Histogram(
+            "dpserve_time_per_output_token_seconds",
+            "Seconds per output token after the first, per finished request",
+            registry=self.registry,
+            buckets=LATENCY_BUCKETS,
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -100,29 +100,25 @@ class OpenAIServing:
             )
         results = await collect(request, streams)
         choices = [choice(i, chunks, subs[i].return_logprob, final=True) for i, chunks in enumerate(results)]
-        completion_tokens = sum(chunks[-1].completion_tokens for chunks in results)
         if any(c["finish_reason"] == "abort" for c in choices):
             message = results[0][-1].finish_reason.get("message", "aborted")
             raise RequestError(f"the request was aborted: {message}", 503)
-        return JSONResponse(
-            {**head, "object": kind, "choices": choices, "usage": _usage(prompt_tokens, completion_tokens)}
-        )
+        usage = _usage(prompt_tokens, [chunks[-1] for chunks in results], req.n)
+        return JSONResponse({**head, "object": kind, "choices": choices, "usage": usage})
 
     async def _stream(self, req, subs, streams, head, kind, choice, prompt_tokens) -> AsyncIterator[str]:
-        completion_tokens = [0] * len(streams)
+        last: list[Chunk | None] = [None] * len(streams)
         first = [True] * len(streams)
         obj = "chat.completion.chunk" if kind.startswith("chat") else kind
         async for i, chunk in merge(streams):
-            completion_tokens[i] = chunk.completion_tokens
+            last[i] = chunk
             if not (chunk.text or chunk.token_ids or chunk.finish_reason or first[i]):
                 continue
             body = choice(i, [chunk], subs[i].return_logprob, final=False, first=first[i])
             first[i] = False
             yield sse({**head, "object": obj, "choices": [body], "usage": None})
         if req.include_usage:
-            yield sse(
-                {**head, "object": obj, "choices": [], "usage": _usage(prompt_tokens, sum(completion_tokens))}
-            )
+            yield sse({**head, "object": obj, "choices": [], "usage": _usage(prompt_tokens, last, req.n)})
         yield sse("[DONE]")
 
     def _token_logprobs(self, chunks: list[Chunk]) -> tuple[list[str], list[float]]:
@@ -164,9 +160,13 @@ class OpenAIServing:
         return out
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def _usage(prompt_tokens: int, last_chunks: list[Chunk | None], n: int) -> dict:
+    """OpenAI's usage: each prompt counts once whatever n is, and so do its cached tokens."""
+    completion = sum(c.completion_tokens for c in last_chunks if c is not None)
+    cached = sum(c.cached_tokens for c in last_chunks[::n] if c is not None)
     return {
         "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
+        "completion_tokens": completion,
+        "total_tokens": prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
     }

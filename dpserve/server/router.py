@@ -3,10 +3,15 @@
 The load of a group is updated the moment a request is routed to it, not when a worker reports
 back, so a burst of requests spreads at once.
 
-    round_robin      groups in turn
-    shortest_queue   fewest requests in flight
+    cache_aware      the group whose prefix cache most likely holds the prompt's beginning, by an
+                     approximate radix tree of the token ids sent to each group (bounded, LRU);
+                     below `cache_threshold` of the prompt matched, or when the groups' loads
+                     drift apart (max - min > balance_abs_threshold tokens and max >
+                     balance_rel_threshold * min), the least-loaded group (as minimum_tokens)
     minimum_tokens   fewest outstanding tokens: prompt tokens not yet prefilled + the remaining
                      decode budgets (max_new_tokens - generated) of every request in flight
+    shortest_queue   fewest requests in flight
+    round_robin      groups in turn
 """
 
 from __future__ import annotations
@@ -14,7 +19,28 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-LOAD_BALANCE_METHODS = ("minimum_tokens", "shortest_queue", "round_robin")
+from dpserve.kvcache.radix_cache import RadixTree
+
+LOAD_BALANCE_METHODS = ("cache_aware", "minimum_tokens", "shortest_queue", "round_robin")
+
+
+@dataclass(frozen=True)
+class CacheAwarePolicy:
+    cache_threshold: float = 0.5  # share of the prompt a group must hold to win on cache
+    balance_abs_threshold: int = 4096  # outstanding-token gap beyond which load wins...
+    balance_rel_threshold: float = 1.5  # ...if the busiest group also has this many times the least
+    max_tree_tokens: int = 262144  # tokens remembered per group (least recently used go first)
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.cache_threshold <= 1.0:
+            raise ValueError(f"cache_threshold must be in [0, 1], got {self.cache_threshold}")
+        if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1.0:
+            raise ValueError(
+                f"balance thresholds must be >= 0 tokens and >= 1.0, got {self.balance_abs_threshold} "
+                f"and {self.balance_rel_threshold}"
+            )
+        if self.max_tree_tokens < 1:
+            raise ValueError(f"max_tree_tokens must be >= 1, got {self.max_tree_tokens}")
 
 
 @dataclass
@@ -25,31 +51,54 @@ class _Load:
 
 
 class Router:
-    def __init__(self, num_groups: int, method: str = "minimum_tokens"):
+    def __init__(self, num_groups: int, method: str = "cache_aware", policy: CacheAwarePolicy | None = None):
         if method not in LOAD_BALANCE_METHODS:
             raise ValueError(f"load balance method must be one of {LOAD_BALANCE_METHODS}, got {method!r}")
         self.method = method
         self.num_groups = num_groups
+        self.policy = policy or CacheAwarePolicy()
+        self.trees = [RadixTree() for _ in range(num_groups)] if method == "cache_aware" else []
         self._turn = itertools.count()
         self._inflight: dict[str, _Load] = {}
         self.outstanding_tokens = [0] * num_groups
         self.requests = [0] * num_groups
 
-    def route(self, rid: str, prompt_tokens: int, max_new_tokens: int, pinned: int | None = None) -> int:
+    def route(self, rid: str, input_ids: list[int], max_new_tokens: int, pinned: int | None = None) -> int:
         """Picks the group of a new request (or takes the pinned one) and counts its load there."""
         if pinned is not None:
             self.check_pin(pinned)
             group = pinned
+        elif self.method == "cache_aware":
+            group = self._cache_aware(input_ids)
         elif self.method == "round_robin":
             group = next(self._turn) % self.num_groups
         elif self.method == "shortest_queue":
             group = min(range(self.num_groups), key=lambda g: (self.requests[g], self.outstanding_tokens[g]))
         else:
-            group = min(range(self.num_groups), key=lambda g: (self.outstanding_tokens[g], self.requests[g]))
-        self._inflight[rid] = _Load(group, prompt_tokens, max_new_tokens)
-        self.outstanding_tokens[group] += prompt_tokens + max_new_tokens
+            group = self._least_loaded()
+        if self.trees:
+            tree = self.trees[group]
+            tree.insert(input_ids)
+            if tree.size > self.policy.max_tree_tokens:
+                tree.evict(tree.size - self.policy.max_tree_tokens)
+        self._inflight[rid] = _Load(group, len(input_ids), max_new_tokens)
+        self.outstanding_tokens[group] += len(input_ids) + max_new_tokens
         self.requests[group] += 1
         return group
+
+    def _least_loaded(self) -> int:
+        return min(range(self.num_groups), key=lambda g: (self.outstanding_tokens[g], self.requests[g]))
+
+    def _cache_aware(self, input_ids: list[int]) -> int:
+        p, loads = self.policy, self.outstanding_tokens
+        low, high = min(loads), max(loads)
+        if high - low > p.balance_abs_threshold and high > p.balance_rel_threshold * low:
+            return self._least_loaded()
+        matched = [tree.match_prefix(input_ids)[2] for tree in self.trees]
+        best = max(range(self.num_groups), key=lambda g: (matched[g], -loads[g], -self.requests[g]))
+        if matched[best] > 0 and matched[best] >= p.cache_threshold * len(input_ids):
+            return best
+        return self._least_loaded()
 
     def check_pin(self, pinned: int) -> None:
         if not 0 <= pinned < self.num_groups:

@@ -18,9 +18,10 @@ from dpserve.config import EngineConfig
 from dpserve.engine.engine import load_model, log_ready, server_info
 from dpserve.engine.workers import WorkerFailure, WorkerSet
 from dpserve.sampling_params import SamplingParams
-from dpserve.scheduler.request import GenerateRequest, check_request_fits
+from dpserve.scheduler.request import GenerateRequest, check_request
 from dpserve.server.detokenizer import IncrementalDetokenizer
-from dpserve.server.router import Router
+from dpserve.server.metrics import ServerMetrics
+from dpserve.server.router import CacheAwarePolicy, Router
 
 logger = logging.getLogger("dpserve.server")
 
@@ -56,6 +57,7 @@ class Chunk:
     finish_reason: dict | None  # set on the last chunk
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int  # prompt tokens served from the prefix cache (known on the last chunk)
     dp_rank: int
 
 
@@ -65,6 +67,8 @@ class _State:
     group: int
     prompt_tokens: int
     detok: IncrementalDetokenizer
+    arrival: float = field(default_factory=time.monotonic)
+    first_token: float | None = None
     event: asyncio.Event = field(default_factory=asyncio.Event)
     pending: list[tuple[int, float]] = field(default_factory=list)
     output: dict | None = None  # the worker's final output
@@ -73,31 +77,24 @@ class _State:
 
 
 class TokenizerManager:
-    def __init__(self, cfg: EngineConfig, load_balance_method: str = "minimum_tokens"):
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        load_balance_method: str = "cache_aware",
+        cache_aware: CacheAwarePolicy | None = None,
+    ):
         from transformers import AutoTokenizer
 
         self.cfg = cfg
         self.model_cfg = load_model(cfg)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
-        self.router = Router(cfg.dp_size, load_balance_method)
+        self.router = Router(cfg.dp_size, load_balance_method, cache_aware)
         self.workers = WorkerSet(cfg)
         self.info = server_info(cfg, self.workers.dp_info)
         self.kv_capacity = min(d["max_total_num_tokens"] for d in self.workers.dp_info)
         log_ready(cfg, self.model_cfg, self.workers.dp_info)
-        self.stats = [
-            {
-                "running": 0,
-                "queued": 0,
-                "kv_used": 0,
-                "kv_free": d["max_total_num_tokens"],
-                "kv_reserved": 0,
-                "generated_tokens": 0,
-                "prefilled_tokens": 0,
-                "steps_eager": 0,
-                "steps_graph": 0,
-            }
-            for d in self.workers.dp_info
-        ]
+        self.stats = [d["stats"] for d in self.workers.dp_info]
+        self.metrics_registry = ServerMetrics(self.metrics)
         self.counters = {"requests": 0, "prompt_tokens": 0, "generation_tokens": 0, "aborted": 0}
         self.failure: str | None = None
         self.on_failure = lambda: None  # set by the server: stop serving
@@ -149,14 +146,11 @@ class TokenizerManager:
         """Raises RequestError for a request that can never run; nothing has been sent yet."""
         if self.failure is not None:
             raise RequestError(f"the server is shutting down: {self.failure}", status=503)
-        vocab = self.model_cfg.vocab_size
-        bad = [t for t in sub.input_ids if not 0 <= t < vocab]
-        if bad:
-            raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        m = self.model_cfg
         try:
             if sub.data_parallel_rank is not None:
                 self.router.check_pin(sub.data_parallel_rank)
-            check_request_fits(len(sub.input_ids), sub.params, self.model_cfg.context_len, self.kv_capacity)
+            check_request(sub.input_ids, sub.params, m.vocab_size, m.context_len, self.kv_capacity)
         except ValueError as e:
             raise RequestError(str(e)) from None
 
@@ -165,9 +159,7 @@ class TokenizerManager:
         self.check(sub)
         rid = uuid.uuid4().hex
         state = _State(rid, -1, len(sub.input_ids), IncrementalDetokenizer(self.tokenizer, sub.stop))
-        state.group = self.router.route(
-            rid, len(sub.input_ids), sub.params.max_new_tokens, sub.data_parallel_rank
-        )
+        state.group = self.router.route(rid, sub.input_ids, sub.params.max_new_tokens, sub.data_parallel_rank)
         self._states[rid] = state
         self.counters["requests"] += 1
         self.counters["prompt_tokens"] += len(sub.input_ids)
@@ -202,6 +194,10 @@ class TokenizerManager:
         elif state.output is not None and state.finish_reason is None:
             state.finish_reason = state.output["finish_reason"]
         state.completion_tokens += len(tokens)
+        done = state.finish_reason is not None and state.finish_reason["type"] != "abort"
+        if done and state.first_token is not None and state.completion_tokens > 1:
+            per_token = (time.monotonic() - state.first_token) / (state.completion_tokens - 1)
+            self.metrics_registry.time_per_output_token.observe(per_token)
         return Chunk(
             text=state.detok.delta(final=state.finish_reason is not None),
             token_ids=tokens,
@@ -209,6 +205,7 @@ class TokenizerManager:
             finish_reason=state.finish_reason,
             prompt_tokens=state.prompt_tokens,
             completion_tokens=state.completion_tokens,
+            cached_tokens=state.output["cached_tokens"] if state.output else 0,
             dp_rank=state.group,
         )
 
@@ -246,6 +243,9 @@ class TokenizerManager:
         for rid, tok, lp in msg["tokens"]:
             state = self._states.get(rid)
             if state is not None:
+                if state.first_token is None:
+                    state.first_token = time.monotonic()
+                    self.metrics_registry.time_to_first_token.observe(state.first_token - state.arrival)
                 state.pending.append((tok, lp))
                 self.router.on_token(rid)
                 touched.add(rid)

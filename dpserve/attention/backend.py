@@ -1,0 +1,57 @@
+"""The attention interface every backend implements, and the per-step metadata it reads.
+
+A step's batch holds requests with mixed lengths: request b feeds q_len_b new tokens (1 in
+decode) at positions seq_len_b - q_len_b .. seq_len_b - 1, and attends to its seq_len_b
+cached tokens, found in the KV pool through its row of the request-to-slot table. Every
+field is a device tensor, so one captured graph serves any lengths; the model has written
+the new tokens' KV to the pool before attention reads it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    req_to_token: torch.Tensor  # [rows, context_len] int32: pool slot of each request's positions
+    req_idx: torch.Tensor  # [batch] row of each request (row 0, all zeros, for padded rows)
+    seq_lens: torch.Tensor  # [batch] KV tokens of each request, this step's new ones included
+    q_start: torch.Tensor  # [batch + 1] first new-token row of each request, cumulative
+    num_tokens: int  # new tokens (rows of q)
+    max_q_len: int  # bounds on q lengths and seq_lens (fixed in a captured graph)
+    max_seq_len: int
+    state: dict = field(default_factory=dict)  # what a backend's prepare() derives per forward
+
+    @property
+    def batch_size(self) -> int:
+        return self.req_idx.shape[0]
+
+
+class AttentionBackend(ABC):
+    """Attention over the paged KV pool; one instance per model, shared by its layers."""
+
+    def prepare(self, meta: AttentionMetadata) -> None:  # noqa: B027 (optional hook)
+        """Derives what the layers share, once per forward (inside a captured graph)."""
+
+    @abstractmethod
+    def mla(
+        self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float, v_dim: int
+    ) -> torch.Tensor:
+        """Absorbed MLA: q [tokens, heads, latent + rope] against the cached latent + rope key
+        [slots, latent + rope] (one KV head shared by all heads; values are its first v_dim
+        columns). Returns [tokens, heads, v_dim]."""
+
+    @abstractmethod
+    def gqa(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Grouped-query attention: q [tokens, heads, dim] against k/v [slots, kv_heads, dim]."""

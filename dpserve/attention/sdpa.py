@@ -1,0 +1,53 @@
+"""The reference backend: each request's KV gathered from the pool into a [batch, max_seq_len]
+grid and PyTorch's scaled_dot_product_attention with a mask (causality and padding)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dpserve.attention.backend import AttentionBackend, AttentionMetadata
+
+
+class SdpaBackend(AttentionBackend):
+    def prepare(self, meta: AttentionMetadata) -> None:
+        dev = meta.req_idx.device
+        q_lens = meta.q_start[1:] - meta.q_start[:-1]
+        token_req = torch.repeat_interleave(
+            torch.arange(meta.batch_size, device=dev), q_lens, output_size=meta.num_tokens
+        )
+        prefix = (meta.seq_lens - q_lens)[:, None, None]
+        q_pos = torch.arange(meta.max_q_len, device=dev)[None, :, None] + prefix
+        k_pos = torch.arange(meta.max_seq_len, device=dev)[None, None, :]
+        meta.state.update(
+            slot_table=meta.req_to_token[meta.req_idx, : meta.max_seq_len].long(),
+            mask=((k_pos <= q_pos) & (k_pos < meta.seq_lens[:, None, None])).unsqueeze(1),
+            token_req=token_req,
+            token_col=torch.arange(token_req.shape[0], device=dev) - meta.q_start[token_req],
+        )
+
+    def mla(self, q, cache, meta, scale, v_dim):
+        kv = cache[meta.state["slot_table"]].unsqueeze(1)  # [batch, 1, kv_max, latent + rope]
+        return self._attend(q, kv, kv[..., :v_dim], meta, scale)
+
+    def gqa(self, q, k_cache, v_cache, meta, scale):
+        table = meta.state["slot_table"]
+        k = k_cache[table].transpose(1, 2)  # [batch, kv_heads, kv_max, dim]
+        return self._attend(q, k, v_cache[table].transpose(1, 2), meta, scale)
+
+    @staticmethod
+    def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, scale: float):
+        """q [tokens, heads, d] packed into [batch, heads, q_max, d]; k/v [batch, kv_heads, kv_max, d]:
+        kv_heads divides heads (grouped-query, or MLA's one latent), never expanded in memory."""
+        s = meta.state
+        packed = q.new_zeros((meta.batch_size, meta.max_q_len, *q.shape[1:]))
+        packed[s["token_req"], s["token_col"]] = q
+        out = F.scaled_dot_product_attention(
+            packed.transpose(1, 2),
+            k,
+            v,
+            attn_mask=s["mask"],
+            scale=scale,
+            enable_gqa=k.shape[1] != q.shape[1],
+        )
+        return out.transpose(1, 2)[s["token_req"], s["token_col"]]
