@@ -1,0 +1,32 @@
+"""The GPU backend: Triton paged-attention kernels reading the KV pool through the
+request-to-slot table (see `triton_kernels`). Also runs on the CPU in Triton's interpreter."""
+
+from __future__ import annotations
+
+import torch
+
+from dpserve.attention.backend import AttentionBackend, AttentionMetadata
+from dpserve.attention.triton_kernels import decode_attention, extend_attention
+
+
+class TritonBackend(AttentionBackend):
+    """Decode kernel (split-K) when every request feeds exactly one token, extend kernel otherwise."""
+
+    def __init__(self, num_kv_splits: int = 8):
+        self.num_kv_splits = num_kv_splits
+
+    def mla(self, q, cache, meta, scale, v_dim):
+        return self._attend(q, cache[:, None, :], cache[:, None, :v_dim], meta, scale)
+
+    def gqa(self, q, k_cache, v_cache, meta, scale):
+        return self._attend(q, k_cache, v_cache, meta, scale)
+
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        out = q.new_empty((q.shape[0], q.shape[1], v.shape[-1]))
+        common = (q, k, v, meta.req_to_token, meta.req_idx, meta.seq_lens)
+        # Both are ints fixed per step (and per captured graph): one token per request exactly.
+        if meta.max_q_len == 1 and meta.num_tokens == meta.batch_size:
+            return decode_attention(*common, out, scale, num_kv_splits=self.num_kv_splits)
+        return extend_attention(*common, meta.q_start, out, scale, meta.max_q_len)

@@ -1,0 +1,430 @@
+"""Paged attention kernels in Triton, reading the KV pool by slot index (no gathered copy).
+
+Request b of a step owns row `req_idx[b]` of the request-to-slot table: its token at position p
+lives in pool slot `req_to_token[req_idx[b], p]`. It has `seq_lens[b]` tokens in the pool, the
+last q_len of them new this step (the model writes their KV before attention runs).
+
+- `decode_attention`: one query token per request, split-K (flash-decoding): each of
+  `num_kv_splits` programs per (request, head block) reduces a slice of the context to a partial
+  output and its log-sum-exp; a second kernel merges the slices. Query heads sharing one KV head
+  are processed together (BLOCK_H rows), so MLA (one latent KV head for every query head) reads
+  each KV entry once per head block rather than once per head.
+- `extend_attention`: any number of new tokens per request (prefill, chunked prefill, prefix
+  cache hits), causal over the cached prefix and the new tokens.
+
+Caches are [slots, kv_heads, dim] tensors with any strides, so MLA passes views of one latent
+pool: `k = cache[:, None, :]` (latent + rope) and `v = cache[:, None, :v_dim]`. Head dims need
+not be powers of two (576 = 512 + 64, or 48 = 32 + 16): the key dim is split into a power-of-two
+part and a masked remainder, the value dim is padded with masks.
+
+Grids and buffers depend only on the batch size, head counts and the int bounds passed in, never
+on the lengths' values, so a captured CUDA graph serves any lengths up to the table's width.
+Softmax statistics and accumulators are float32 whatever the input dtype.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from dpserve.triton_setup import tl, triton
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _split_dim(d: int) -> tuple[int, int]:
+    """A key dim as (power-of-two part, padded power-of-two remainder, 0 when none): 576 -> (512, 64)."""
+    main = 1 << (d.bit_length() - 1)
+    rest = d - main
+    return main, (triton.next_power_of_2(rest) if rest else 0)
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # float32 inputs keep float32 products on the GPU (tf32 would cost ~1e-3 relative error).
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@triton.jit
+def _decode_split_kernel(
+    Q,
+    K,
+    V,
+    ReqToToken,
+    ReqIdx,
+    SeqLens,
+    MidO,
+    MidLse,
+    scale,
+    stride_qb,
+    stride_qh,
+    stride_ks,
+    stride_kh,
+    stride_vs,
+    stride_vh,
+    stride_rt,
+    stride_mb,
+    stride_mh,
+    stride_ms,
+    stride_lb,
+    stride_lh,
+    GROUP: tl.constexpr,  # query heads per KV head
+    HEADS_PER_PROG: tl.constexpr,  # min(BLOCK_H, GROUP)
+    PROGS_PER_KV: tl.constexpr,  # cdiv(GROUP, HEADS_PER_PROG)
+    LK: tl.constexpr,
+    LV: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DPE: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    hp = tl.program_id(1)
+    split = tl.program_id(2)
+    kv_head = hp // PROGS_PER_KV
+    offs_g = (hp % PROGS_PER_KV) * HEADS_PER_PROG + tl.arange(0, BLOCK_H)  # head within its group
+    mask_h = (tl.arange(0, BLOCK_H) < HEADS_PER_PROG) & (offs_g < GROUP)
+    heads = kv_head * GROUP + offs_g
+
+    seq_len = tl.load(SeqLens + b)
+    row = tl.load(ReqIdx + b).to(tl.int64)
+    split_len = tl.cdiv(seq_len, NUM_SPLITS)
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_dv = offs_dv < LV
+    q_ptr = Q + b * stride_qb + heads[:, None] * stride_qh
+    q = tl.load(q_ptr + offs_d[None, :], mask=mask_h[:, None], other=0.0)
+    if BLOCK_DPE > 0:
+        offs_dpe = BLOCK_D + tl.arange(0, BLOCK_DPE)
+        mask_dpe = offs_dpe < LK
+        qpe = tl.load(q_ptr + offs_dpe[None, :], mask=mask_h[:, None] & mask_dpe[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
+    if end > start:
+        for n0 in range(start, end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < end
+            slots = tl.load(ReqToToken + row * stride_rt + offs_n, mask=mask_n, other=0).to(tl.int64)
+            k_ptr = K + slots[None, :] * stride_ks + kv_head * stride_kh
+            k = tl.load(k_ptr + offs_d[:, None], mask=mask_n[None, :], other=0.0)
+            qk = tl.dot(q, k, input_precision=PRECISION)
+            if BLOCK_DPE > 0:
+                kpe = tl.load(k_ptr + offs_dpe[:, None], mask=mask_n[None, :] & mask_dpe[:, None], other=0.0)
+                qk += tl.dot(qpe, kpe, input_precision=PRECISION)
+            qk = tl.where(mask_h[:, None] & mask_n[None, :], qk * scale, float("-inf"))
+            v_ptr = V + slots[:, None] * stride_vs + kv_head * stride_vh
+            v = tl.load(v_ptr + offs_dv[None, :], mask=mask_n[:, None] & mask_dv[None, :], other=0.0)
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # masked heads: all -inf
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(qk - m_safe[:, None])
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            m_i = m_new
+        out_ptr = MidO + b * stride_mb + heads[:, None] * stride_mh + split * stride_ms
+        safe_l = tl.where(l_i > 0, l_i, 1.0)
+        tl.store(out_ptr + offs_dv[None, :], acc / safe_l[:, None], mask=mask_h[:, None] & mask_dv[None, :])
+        lse = tl.where(l_i > 0, m_i + tl.log(safe_l), float("-inf"))
+        tl.store(MidLse + b * stride_lb + heads * stride_lh + split, lse, mask=mask_h)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    MidO,
+    MidLse,
+    SeqLens,
+    Out,
+    stride_mb,
+    stride_mh,
+    stride_ms,
+    stride_lb,
+    stride_lh,
+    stride_ob,
+    stride_oh,
+    LV: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    seq_len = tl.load(SeqLens + b)
+    split_len = tl.cdiv(seq_len, NUM_SPLITS)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_dv = offs_dv < LV
+    m_i = float("-inf")
+    l_i = 0.0
+    acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
+    base = b * stride_mb + h * stride_mh
+    lse_base = b * stride_lb + h * stride_lh
+    for s in range(NUM_SPLITS):
+        if s * split_len < seq_len:  # empty slices wrote nothing
+            lse = tl.load(MidLse + lse_base + s)
+            o = tl.load(MidO + base + s * stride_ms + offs_dv, mask=mask_dv, other=0.0)
+            m_new = tl.maximum(m_i, lse)
+            alpha = tl.exp(m_i - m_new)
+            w = tl.exp(lse - m_new)
+            acc = acc * alpha + w * o
+            l_i = l_i * alpha + w
+            m_i = m_new
+    safe_l = tl.where(l_i > 0, l_i, 1.0)
+    tl.store(Out + b * stride_ob + h * stride_oh + offs_dv, (acc / safe_l).to(Out.dtype.element_ty), mask=mask_dv)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_idx: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out: torch.Tensor,
+    scale: float,
+    num_kv_splits: int = 8,
+    block_n: int | None = None,
+    block_h: int = 16,
+) -> torch.Tensor:
+    """Attention of one new token per request against its whole context in the paged pool.
+
+    q [batch, heads, dk]; k_cache [slots, kv_heads, dk] and v_cache [slots, kv_heads, dv] (any
+    strides, last dim contiguous; MLA passes views of one cache); req_to_token [rows, width]
+    int32; req_idx, seq_lens [batch] int (seq_lens count the new token; padded rows use row 0 and
+    seq_len 1); out [batch, heads, dv], written and returned. heads must be a multiple of kv_heads.
+    The context is cut into `num_kv_splits` slices reduced in parallel, then merged; the grid and
+    the float32 scratch ([batch, heads, num_kv_splits, dv]) depend only on the shapes.
+    """
+    batch, heads, lk = q.shape
+    kv_heads, lv = k_cache.shape[1], v_cache.shape[2]
+    assert heads % kv_heads == 0 and k_cache.shape[2] == lk and out.shape == (batch, heads, lv)
+    assert q.stride(2) == 1 and k_cache.stride(2) == 1 and v_cache.stride(2) == 1 and out.stride(2) == 1
+    if batch == 0:
+        return out
+    group = heads // kv_heads
+    per_prog = min(block_h, group)
+    progs_per_kv = triton.cdiv(group, per_prog)
+    block_d, block_dpe = _split_dim(lk)
+    if block_n is None:
+        block_n = 64 if _INTERPRET else (32 if lk > 256 else 64)
+    mid_o = torch.empty((batch, heads, num_kv_splits, lv), dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty((batch, heads, num_kv_splits), dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(batch, kv_heads * progs_per_kv, num_kv_splits)](
+        q,
+        k_cache,
+        v_cache,
+        req_to_token,
+        req_idx,
+        seq_lens,
+        mid_o,
+        mid_lse,
+        scale,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        req_to_token.stride(0),
+        mid_o.stride(0),
+        mid_o.stride(1),
+        mid_o.stride(2),
+        mid_lse.stride(0),
+        mid_lse.stride(1),
+        GROUP=group,
+        HEADS_PER_PROG=per_prog,
+        PROGS_PER_KV=progs_per_kv,
+        LK=lk,
+        LV=lv,
+        BLOCK_D=block_d,
+        BLOCK_DPE=block_dpe,
+        BLOCK_DV=triton.next_power_of_2(lv),
+        BLOCK_N=block_n,
+        BLOCK_H=max(16, triton.next_power_of_2(per_prog)),
+        NUM_SPLITS=num_kv_splits,
+        PRECISION=_dot_precision(q.dtype),
+        num_warps=4,
+        num_stages=2,
+    )
+    _decode_reduce_kernel[(batch, heads)](
+        mid_o,
+        mid_lse,
+        seq_lens,
+        out,
+        mid_o.stride(0),
+        mid_o.stride(1),
+        mid_o.stride(2),
+        mid_lse.stride(0),
+        mid_lse.stride(1),
+        out.stride(0),
+        out.stride(1),
+        LV=lv,
+        BLOCK_DV=triton.next_power_of_2(lv),
+        NUM_SPLITS=num_kv_splits,
+        num_warps=4,
+    )
+    return out
+
+
+@triton.jit
+def _extend_kernel(
+    Q,
+    K,
+    V,
+    Out,
+    ReqToToken,
+    ReqIdx,
+    SeqLens,
+    QStart,
+    scale,
+    stride_qt,
+    stride_qh,
+    stride_ks,
+    stride_kh,
+    stride_vs,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_rt,
+    GROUP: tl.constexpr,
+    LK: tl.constexpr,
+    LV: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DPE: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    mb = tl.program_id(2)
+    q_first = tl.load(QStart + b)
+    q_len = tl.load(QStart + b + 1) - q_first
+    if mb * BLOCK_M < q_len:
+        seq_len = tl.load(SeqLens + b)
+        prefix = seq_len - q_len
+        row = tl.load(ReqIdx + b).to(tl.int64)
+        kv_head = h // GROUP
+        offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < q_len
+        q_pos = prefix + offs_m  # each query's position: it sees keys at positions <= q_pos
+
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        mask_dv = offs_dv < LV
+        q_ptr = Q + (q_first + offs_m[:, None]).to(tl.int64) * stride_qt + h * stride_qh
+        q = tl.load(q_ptr + offs_d[None, :], mask=mask_m[:, None], other=0.0)
+        if BLOCK_DPE > 0:
+            offs_dpe = BLOCK_D + tl.arange(0, BLOCK_DPE)
+            mask_dpe = offs_dpe < LK
+            qpe = tl.load(q_ptr + offs_dpe[None, :], mask=mask_m[:, None] & mask_dpe[None, :], other=0.0)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+        end = tl.minimum(seq_len, prefix + (mb + 1) * BLOCK_M)  # causal: nothing past the last query
+        for n0 in range(0, end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < end
+            slots = tl.load(ReqToToken + row * stride_rt + offs_n, mask=mask_n, other=0).to(tl.int64)
+            k_ptr = K + slots[None, :] * stride_ks + kv_head * stride_kh
+            k = tl.load(k_ptr + offs_d[:, None], mask=mask_n[None, :], other=0.0)
+            qk = tl.dot(q, k, input_precision=PRECISION)
+            if BLOCK_DPE > 0:
+                kpe = tl.load(k_ptr + offs_dpe[:, None], mask=mask_n[None, :] & mask_dpe[:, None], other=0.0)
+                qk += tl.dot(qpe, kpe, input_precision=PRECISION)
+            visible = mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None])
+            qk = tl.where(visible, qk * scale, float("-inf"))
+            v_ptr = V + slots[:, None] * stride_vs + kv_head * stride_vh
+            v = tl.load(v_ptr + offs_dv[None, :], mask=mask_n[:, None] & mask_dv[None, :], other=0.0)
+            # Key 0 is visible to every query, so each row's running max is finite after block 0.
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(qk - m_new[:, None])
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            m_i = m_new
+        safe_l = tl.where(l_i > 0, l_i, 1.0)
+        out_ptr = Out + (q_first + offs_m[:, None]).to(tl.int64) * stride_ot + h * stride_oh
+        tl.store(
+            out_ptr + offs_dv[None, :],
+            (acc / safe_l[:, None]).to(Out.dtype.element_ty),
+            mask=mask_m[:, None] & mask_dv[None, :],
+        )
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_idx: torch.Tensor,
+    seq_lens: torch.Tensor,
+    q_start: torch.Tensor,
+    out: torch.Tensor,
+    scale: float,
+    max_q_len: int,
+    block_m: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of each request's new tokens against its prefix and themselves.
+
+    q [tokens, heads, dk] packs the requests' new tokens; request b owns rows
+    q_start[b] .. q_start[b + 1] - 1 (q_len of them), at positions seq_len - q_len .. seq_len - 1,
+    and attends to every position up to its own, all read from the pool through
+    req_to_token[req_idx[b]] (the new tokens' KV is already written). k_cache, v_cache, out and
+    the other arguments are as in `decode_attention`, with out [tokens, heads, dv]. max_q_len
+    bounds every q_len; it and the shapes alone set the grid (requests with fewer new tokens exit
+    early), so a captured graph serves any lengths within the bounds. Rows of q past the last
+    request's are left unwritten.
+    """
+    tokens, heads, lk = q.shape
+    batch = req_idx.shape[0]
+    kv_heads, lv = k_cache.shape[1], v_cache.shape[2]
+    assert heads % kv_heads == 0 and k_cache.shape[2] == lk and out.shape == (tokens, heads, lv)
+    assert q.stride(2) == 1 and k_cache.stride(2) == 1 and v_cache.stride(2) == 1 and out.stride(2) == 1
+    if batch == 0 or max_q_len == 0:
+        return out
+    block_d, block_dpe = _split_dim(lk)
+    if block_m is None:
+        block_m = 32 if _INTERPRET else (16 if lk > 256 else 64)
+    if block_n is None:
+        block_n = 64 if _INTERPRET else (32 if lk > 256 else 64)
+    _extend_kernel[(batch, heads, triton.cdiv(max_q_len, block_m))](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        req_to_token,
+        req_idx,
+        seq_lens,
+        q_start,
+        scale,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        out.stride(0),
+        out.stride(1),
+        req_to_token.stride(0),
+        GROUP=heads // kv_heads,
+        LK=lk,
+        LV=lv,
+        BLOCK_D=block_d,
+        BLOCK_DPE=block_dpe,
+        BLOCK_DV=triton.next_power_of_2(lv),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        PRECISION=_dot_precision(q.dtype),
+        num_warps=4 if lk <= 128 else 8,
+        num_stages=1,
+    )
+    return out
