@@ -40,6 +40,11 @@ def _split_dim(d: int) -> tuple[int, int]:
     return main, (triton.next_power_of_2(rest) if rest else 0)
 
 
+def _upcast(dtype: torch.dtype) -> bool:
+    # Triton's interpreter multiplies bfloat16 matrices wrongly (3.9): it gets float32 operands.
+    return _INTERPRET and dtype == torch.bfloat16
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     # float32 inputs keep float32 products on the GPU (tf32 would cost ~1e-3 relative error).
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -80,6 +85,7 @@ def _decode_split_kernel(
     BLOCK_H: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     b = tl.program_id(0)
     hp = tl.program_id(1)
@@ -104,6 +110,10 @@ def _decode_split_kernel(
         offs_dpe = BLOCK_D + tl.arange(0, BLOCK_DPE)
         mask_dpe = offs_dpe < LK
         qpe = tl.load(q_ptr + offs_dpe[None, :], mask=mask_h[:, None] & mask_dpe[None, :], other=0.0)
+        if UPCAST:
+            qpe = qpe.to(tl.float32)
+    if UPCAST:
+        q = q.to(tl.float32)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -115,13 +125,19 @@ def _decode_split_kernel(
             slots = tl.load(ReqToToken + row * stride_rt + offs_n, mask=mask_n, other=0).to(tl.int64)
             k_ptr = K + slots[None, :] * stride_ks + kv_head * stride_kh
             k = tl.load(k_ptr + offs_d[:, None], mask=mask_n[None, :], other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
             qk = tl.dot(q, k, input_precision=PRECISION)
             if BLOCK_DPE > 0:
                 kpe = tl.load(k_ptr + offs_dpe[:, None], mask=mask_n[None, :] & mask_dpe[:, None], other=0.0)
+                if UPCAST:
+                    kpe = kpe.to(tl.float32)
                 qk += tl.dot(qpe, kpe, input_precision=PRECISION)
             qk = tl.where(mask_h[:, None] & mask_n[None, :], qk * scale, float("-inf"))
             v_ptr = V + slots[:, None] * stride_vs + kv_head * stride_vh
             v = tl.load(v_ptr + offs_dv[None, :], mask=mask_n[:, None] & mask_dv[None, :], other=0.0)
+            if UPCAST:
+                v = v.to(tl.float32)
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # masked heads: all -inf
             alpha = tl.exp(m_i - m_safe)
@@ -175,7 +191,9 @@ def _decode_reduce_kernel(
             l_i = l_i * alpha + w
             m_i = m_new
     safe_l = tl.where(l_i > 0, l_i, 1.0)
-    tl.store(Out + b * stride_ob + h * stride_oh + offs_dv, (acc / safe_l).to(Out.dtype.element_ty), mask=mask_dv)
+    tl.store(
+        Out + b * stride_ob + h * stride_oh + offs_dv, (acc / safe_l).to(Out.dtype.element_ty), mask=mask_dv
+    )
 
 
 def decode_attention(
@@ -248,6 +266,7 @@ def decode_attention(
         BLOCK_H=max(16, triton.next_power_of_2(per_prog)),
         NUM_SPLITS=num_kv_splits,
         PRECISION=_dot_precision(q.dtype),
+        UPCAST=_upcast(q.dtype),
         num_warps=4,
         num_stages=2,
     )
@@ -300,6 +319,7 @@ def _extend_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -324,6 +344,10 @@ def _extend_kernel(
             offs_dpe = BLOCK_D + tl.arange(0, BLOCK_DPE)
             mask_dpe = offs_dpe < LK
             qpe = tl.load(q_ptr + offs_dpe[None, :], mask=mask_m[:, None] & mask_dpe[None, :], other=0.0)
+            if UPCAST:
+                qpe = qpe.to(tl.float32)
+        if UPCAST:
+            q = q.to(tl.float32)
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -335,14 +359,20 @@ def _extend_kernel(
             slots = tl.load(ReqToToken + row * stride_rt + offs_n, mask=mask_n, other=0).to(tl.int64)
             k_ptr = K + slots[None, :] * stride_ks + kv_head * stride_kh
             k = tl.load(k_ptr + offs_d[:, None], mask=mask_n[None, :], other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
             qk = tl.dot(q, k, input_precision=PRECISION)
             if BLOCK_DPE > 0:
                 kpe = tl.load(k_ptr + offs_dpe[:, None], mask=mask_n[None, :] & mask_dpe[:, None], other=0.0)
+                if UPCAST:
+                    kpe = kpe.to(tl.float32)
                 qk += tl.dot(qpe, kpe, input_precision=PRECISION)
             visible = mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None])
             qk = tl.where(visible, qk * scale, float("-inf"))
             v_ptr = V + slots[:, None] * stride_vs + kv_head * stride_vh
             v = tl.load(v_ptr + offs_dv[None, :], mask=mask_n[:, None] & mask_dv[None, :], other=0.0)
+            if UPCAST:
+                v = v.to(tl.float32)
             # Key 0 is visible to every query, so each row's running max is finite after block 0.
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             alpha = tl.exp(m_i - m_new)
@@ -424,6 +454,7 @@ def extend_attention(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         PRECISION=_dot_precision(q.dtype),
+        UPCAST=_upcast(q.dtype),
         num_warps=4 if lk <= 128 else 8,
         num_stages=1,
     )

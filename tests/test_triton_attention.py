@@ -1,0 +1,138 @@
+"""The Triton paged-attention backend against the SDPA reference, in Triton's interpreter on the CPU
+(the same kernels the GPU runs): MLA and GQA, decode and extend, mixed lengths, padded rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dpserve.attention.backend import AttentionMetadata
+from dpserve.attention.sdpa import SdpaBackend
+from dpserve.attention.triton_backend import TritonBackend
+from dpserve.attention.triton_kernels import decode_attention
+
+TOL = dict(atol=1e-4, rtol=1e-4)
+
+
+def make_meta(seq_lens: list[int], q_lens: list[int], pad: int = 0, width: int = 512, seed: int = 0):
+    """A batch of requests (seq_len, q_len) on shuffled pool slots, plus `pad` padded rows
+    (row 0, seq_len 1, one token), as the model runner builds it. Returns (meta, num_slots)."""
+    g = torch.Generator().manual_seed(seed)
+    num_slots = sum(seq_lens) + 8
+    perm = torch.randperm(num_slots - 1, generator=g) + 1  # slot 0 is the padding slot
+    table = torch.zeros((len(seq_lens) + 3, width), dtype=torch.int32)
+    rows = (torch.randperm(len(seq_lens) + 2, generator=g) + 1)[: len(seq_lens)]  # row 0: padding
+    used = 0
+    for r, n in zip(rows.tolist(), seq_lens, strict=True):
+        table[r, :n] = perm[used : used + n].to(torch.int32)
+        used += n
+    seq = seq_lens + [1] * pad
+    q_lens = q_lens + [1] * pad
+    meta = AttentionMetadata(
+        req_to_token=table,
+        req_idx=torch.cat([rows, torch.zeros(pad, dtype=torch.long)]).to(torch.int32),
+        seq_lens=torch.tensor(seq, dtype=torch.int32),
+        q_start=torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32),
+        num_tokens=sum(q_lens),
+        max_q_len=max(q_lens),
+        max_seq_len=max(seq),
+    )
+    return meta, num_slots
+
+
+def run_both(fn, meta):
+    outs = []
+    for backend in (SdpaBackend(), TritonBackend(num_kv_splits=4)):
+        m = AttentionMetadata(**{**meta.__dict__, "state": {}})
+        backend.prepare(m)
+        outs.append(fn(backend, m))
+    ref, got = outs
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, ref, **TOL)
+    return got
+
+
+def mla_case(heads, latent, rope, seq_lens, q_lens, pad=0, seed=0):
+    meta, num_slots = make_meta(seq_lens, q_lens, pad, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    cache = torch.randn(num_slots, latent + rope, generator=g)
+    q = torch.randn(meta.num_tokens, heads, latent + rope, generator=g)
+    scale = (latent + rope) ** -0.5
+    return run_both(lambda b, m: b.mla(q, cache, m, scale, latent), meta)
+
+
+def gqa_case(heads, kv_heads, dim, seq_lens, q_lens, pad=0, seed=0):
+    meta, num_slots = make_meta(seq_lens, q_lens, pad, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    k = torch.randn(num_slots, kv_heads, dim, generator=g)
+    v = torch.randn(num_slots, kv_heads, dim, generator=g)
+    q = torch.randn(meta.num_tokens, heads, dim, generator=g)
+    return run_both(lambda b, m: b.gqa(q, k, v, m, dim**-0.5), meta)
+
+
+DECODE = ([5, 1, 17, 9], [1, 1, 1, 1])
+EXTEND = ([7, 3, 20, 1], [7, 2, 5, 1])  # a full prefill, chunks after a prefix, a one-token row
+
+
+@pytest.mark.parametrize("lens", [DECODE, EXTEND], ids=["decode", "extend"])
+def test_mla_tiny(lens):
+    mla_case(4, 32, 16, *lens, pad=2)  # key dim 48 = 32 + 16 (masked remainder)
+
+
+@pytest.mark.parametrize("lens", [DECODE, EXTEND], ids=["decode", "extend"])
+def test_mla_deepseek_dims(lens):
+    mla_case(16, 512, 64, *lens, pad=1)  # DeepSeek's latent 512 + rope 64, values 512
+
+
+@pytest.mark.parametrize("lens", [DECODE, EXTEND], ids=["decode", "extend"])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 16), (6, 2, 96), (3, 3, 64)])
+def test_gqa(lens, heads, kv_heads, dim):
+    gqa_case(heads, kv_heads, dim, *lens, pad=2)
+
+
+def test_split_k_long_context():
+    mla_case(4, 32, 16, [300, 130], [1, 1], pad=1)  # several 64-token blocks per split
+    gqa_case(8, 2, 64, [300, 7], [1, 1])
+
+
+def test_extend_long_query():
+    gqa_case(2, 1, 32, [150, 90], [100, 90], pad=1)  # several query blocks, one full prefill
+
+
+def test_padded_rows_only():
+    out = mla_case(4, 32, 16, [], [], pad=3)
+    assert out.shape == (3, 4, 32)
+
+
+def test_decode_grid_independent_of_lengths():
+    """One call serves any lengths: the same buffers with other seq_lens give the right answer."""
+    meta, num_slots = make_meta([40, 3], [1, 1])
+    cache = torch.randn(num_slots, 48)
+    q = torch.randn(2, 4, 48)
+    out = torch.empty(2, 4, 32)
+    for lens in ([40, 3], [2, 1], [17, 3]):
+        meta.seq_lens.copy_(torch.tensor(lens))
+        meta.max_seq_len = 40
+        decode_attention(
+            q, cache[:, None], cache[:, None, :32], meta.req_to_token, meta.req_idx, meta.seq_lens, out, 0.3
+        )
+        ref = SdpaBackend()
+        m = AttentionMetadata(**{**meta.__dict__, "state": {}})
+        ref.prepare(m)
+        torch.testing.assert_close(out, ref.mla(q, cache, m, 0.3, 32), **TOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("lens", [DECODE, EXTEND], ids=["decode", "extend"])
+def test_half_precision(dtype, lens):
+    """Serving dtypes: float32 softmax and accumulation, output in the input dtype."""
+    meta, num_slots = make_meta(*lens, pad=1)
+    cache = torch.randn(num_slots, 48).to(dtype)
+    q = torch.randn(meta.num_tokens, 4, 48).to(dtype)
+    outs = []
+    for backend in (SdpaBackend(), TritonBackend()):
+        m = AttentionMetadata(**{**meta.__dict__, "state": {}})
+        backend.prepare(m)
+        outs.append(backend.mla(q, cache, m, 0.2, 32))
+    assert outs[1].dtype == dtype
+    torch.testing.assert_close(outs[1].float(), outs[0].float(), atol=3e-2, rtol=3e-2)
