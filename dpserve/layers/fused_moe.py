@@ -1,0 +1,309 @@
+"""Routed experts with fixed shapes: each token does its top_k experts' work, no more, in eager
+mode and inside a captured CUDA graph alike.
+
+The (token, k) assignments are sorted by expert into blocks of `block_m` rows, each expert's
+rows padded to a whole number of blocks (`moe_align_block_size`). The buffers are sized for the
+worst case, rows * top_k + experts * (block_m - 1) rows, so their shapes depend only on the
+row count; blocks past the used ones are skipped. Two implementations share that layout:
+
+- `backend="triton"`: a grouped GEMM in two kernels. The first computes gate and up for a block
+  of rows against its expert's w13 and writes SiLU(gate) * up; the second multiplies by the
+  expert's w2 and scales by the routing weight. The top_k results of a token are then summed.
+- `backend="torch"`: the same blocks through `torch._grouped_mm` where the device supports it,
+  otherwise a batched matmul over the padded blocks (each block against its expert's weights);
+  for CPUs, where Triton's interpreter is too slow to serve.
+
+Weights follow `dpserve.layers.mlp.MoE`: w13 [experts, 2 * inter, hidden] (gate rows, then up
+rows) and w2 [experts, hidden, inter].
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from dpserve.triton_setup import tl, triton
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def moe_align_block_size(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sorts the (token, k) assignments by expert into padded blocks of `block_m` rows.
+
+    topk_ids [rows, top_k]: the chosen experts; ids outside [0, num_experts) are dropped (their
+    assignment contributes nothing). Returns, with shapes set by rows * top_k alone:
+    - sorted_ids [num_blocks * block_m] int64: the flat assignment index (row * top_k + k) of each
+      block row, expert by expert in token order; padding rows hold rows * top_k.
+    - expert_ids [num_blocks] int64: each block's expert, -1 for unused blocks.
+    - num_padded [1] int64: rows in used blocks (the used blocks come first).
+    num_blocks = cdiv(rows * top_k + num_experts * (block_m - 1), block_m).
+    """
+    dev = topk_ids.device
+    n = topk_ids.numel()
+    num_blocks = triton.cdiv(n + num_experts * (block_m - 1), block_m)
+    flat = topk_ids.reshape(-1).long()
+    key = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)  # num_experts: dropped
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=dev).scatter_add_(
+        0, key, torch.ones_like(key)
+    )
+    padded = torch.cat([(counts[:-1] + block_m - 1) // block_m * block_m, counts[-1:].new_zeros(1)])
+    ends = padded.cumsum(0)
+    starts = ends - padded
+    order = torch.argsort(key, stable=True)
+    sorted_key = key[order]
+    first = counts.cumsum(0) - counts  # index in `order` of each expert's first assignment
+    dest = starts[sorted_key] + torch.arange(n, device=dev) - first[sorted_key]
+    dest = torch.where(sorted_key < num_experts, dest, num_blocks * block_m)  # dropped: a spare slot
+    sorted_ids = torch.full((num_blocks * block_m + 1,), n, dtype=torch.long, device=dev)
+    sorted_ids.scatter_(0, dest, order)
+    block_start = torch.arange(num_blocks, device=dev) * block_m
+    expert_ids = torch.searchsorted(ends[:-1], block_start, right=True)
+    expert_ids = torch.where(expert_ids < num_experts, expert_ids, -1)
+    return sorted_ids[:-1], expert_ids, ends[-2:-1].clone()
+
+
+@triton.jit
+def _gate_up_kernel(
+    X,
+    W13,
+    Inter,
+    SortedIds,
+    ExpertIds,
+    NumPadded,
+    num_valid,
+    hidden,
+    inter,
+    stride_xm,
+    stride_we,
+    stride_wn,
+    stride_im,
+    TOP_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M < tl.load(NumPadded):
+        e = tl.load(ExpertIds + pid_m).to(tl.int64)
+        ids = tl.load(SortedIds + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+        mask_m = ids < num_valid
+        tok = ids // TOP_K
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < inter
+        w_ptr = W13 + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < hidden
+            a = tl.load(
+                X + tok[:, None] * stride_xm + offs_k[None, :],
+                mask=mask_m[:, None] & mask_k[None, :],
+                other=0.0,
+            )
+            wmask = mask_k[:, None] & mask_n[None, :]
+            wg = tl.load(w_ptr + offs_k[:, None], mask=wmask, other=0.0)
+            wu = tl.load(w_ptr + inter * stride_wn + offs_k[:, None], mask=wmask, other=0.0)
+            if UPCAST:
+                a, wg, wu = a.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
+            acc_g += tl.dot(a, wg, input_precision=PRECISION)
+            acc_u += tl.dot(a, wu, input_precision=PRECISION)
+        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        out_ptr = Inter + ids[:, None] * stride_im + offs_n[None, :]
+        tl.store(out_ptr, h.to(Inter.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    Inter,
+    W2,
+    Out,
+    Weights,
+    SortedIds,
+    ExpertIds,
+    NumPadded,
+    num_valid,
+    hidden,
+    inter,
+    stride_im,
+    stride_we,
+    stride_wn,
+    stride_om,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M < tl.load(NumPadded):
+        e = tl.load(ExpertIds + pid_m).to(tl.int64)
+        ids = tl.load(SortedIds + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+        mask_m = ids < num_valid
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < hidden
+        w_ptr = W2 + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < inter
+            a = tl.load(
+                Inter + ids[:, None] * stride_im + offs_k[None, :],
+                mask=mask_m[:, None] & mask_k[None, :],
+                other=0.0,
+            )
+            w = tl.load(w_ptr + offs_k[:, None], mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            if UPCAST:
+                a, w = a.to(tl.float32), w.to(tl.float32)
+            acc += tl.dot(a, w, input_precision=PRECISION)
+        acc *= tl.load(Weights + ids, mask=mask_m, other=0.0).to(tl.float32)[:, None]
+        out_ptr = Out + ids[:, None] * stride_om + offs_n[None, :]
+        tl.store(out_ptr, acc.to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+def default_block_m(rows: int, top_k: int, num_experts: int) -> int:
+    """Rows per expert block: small when few assignments per expert (decode), larger in prefill."""
+    return 16 if rows * top_k <= 4 * num_experts else 64
+
+
+def fused_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    block_m: int | None = None,
+    backend: str = "triton",
+) -> torch.Tensor:
+    """The routed experts' weighted sum for each row, doing only the chosen experts' work.
+
+    x [rows, hidden]; w13 [experts, 2 * inter, hidden] (gate rows, then up rows); w2 [experts,
+    hidden, inter]; topk_weights, topk_ids [rows, top_k] from the router (ids outside
+    [0, experts) are skipped, e.g. for padded rows). Returns [rows, hidden] in x's dtype:
+    sum over k of topk_weights[:, k] * w2[e] @ (SiLU(w13[e, :inter] @ x) * w13[e, inter:] @ x),
+    e = topk_ids[:, k]. Every shape depends on rows, top_k and the weights' shapes only (graph
+    capturable). backend: "triton" (the grouped-GEMM kernels; interpreted on CPU-only machines)
+    or "torch" (`torch._grouped_mm` where supported, else a batched matmul over the blocks).
+    """
+    rows, hidden = x.shape
+    num_experts, two_inter, _ = w13.shape
+    inter = two_inter // 2
+    top_k = topk_ids.shape[1]
+    assert w13.shape[2] == hidden and w2.shape == (num_experts, hidden, inter)
+    if rows == 0:
+        return x.new_zeros(0, hidden)
+    if block_m is None:
+        block_m = default_block_m(rows, top_k, num_experts)
+    sorted_ids, expert_ids, num_padded = moe_align_block_size(topk_ids, num_experts, block_m)
+    if backend == "triton":
+        out = _triton_experts(x, w13, w2, topk_weights, sorted_ids, expert_ids, num_padded, top_k, block_m)
+    elif backend == "torch":
+        out = _torch_experts(x, w13, w2, topk_weights, sorted_ids, expert_ids, top_k, block_m)
+    else:
+        raise ValueError(f"unknown fused_experts backend {backend!r}")
+    return out.view(rows, top_k, hidden).sum(1)
+
+
+def _triton_experts(x, w13, w2, topk_weights, sorted_ids, expert_ids, num_padded, top_k, block_m):
+    rows, hidden = x.shape
+    inter = w2.shape[2]
+    assert x.stride(1) == 1 and w13.stride(2) == 1 and w2.stride(2) == 1
+    n = rows * top_k
+    num_blocks = expert_ids.shape[0]
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    upcast = _INTERPRET and x.dtype == torch.bfloat16  # the interpreter's bfloat16 dot is wrong
+    block_n, block_k = 64, 64
+    h = x.new_empty((n, inter))
+    _gate_up_kernel[(num_blocks, triton.cdiv(inter, block_n))](
+        x,
+        w13,
+        h,
+        sorted_ids,
+        expert_ids,
+        num_padded,
+        n,
+        hidden,
+        inter,
+        x.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        h.stride(0),
+        TOP_K=top_k,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        PRECISION=precision,
+        UPCAST=upcast,
+    )
+    # Zeroed: assignments to dropped experts are never written and must add nothing.
+    out = x.new_zeros((n, hidden))
+    _down_kernel[(num_blocks, triton.cdiv(hidden, block_n))](
+        h,
+        w2,
+        out,
+        topk_weights.reshape(-1),
+        sorted_ids,
+        expert_ids,
+        num_padded,
+        n,
+        hidden,
+        inter,
+        h.stride(0),
+        w2.stride(0),
+        w2.stride(1),
+        out.stride(0),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        PRECISION=precision,
+        UPCAST=upcast,
+    )
+    return out
+
+
+def _grouped_mm_supported(x: torch.Tensor, w13: torch.Tensor) -> bool:
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    dims_aligned = all(d * x.element_size() % 16 == 0 for d in (x.shape[1], w13.shape[1] // 2))
+    if x.device.type == "cuda":  # bfloat16 on Hopper and newer
+        return (
+            dims_aligned and x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 9
+        )
+    return x.device.type == "cpu" and dims_aligned and x.dtype in (torch.float32, torch.bfloat16)
+
+
+def _torch_experts(x, w13, w2, topk_weights, sorted_ids, expert_ids, top_k, block_m, grouped=None):
+    rows, hidden = x.shape
+    num_experts = w13.shape[0]
+    n = rows * top_k
+    valid = sorted_ids < n
+    tok = torch.where(valid, sorted_ids // top_k, 0)
+    xs = x[tok]  # [num_blocks * block_m, hidden], expert by expert
+    if grouped is None:
+        grouped = _grouped_mm_supported(x, w13)
+    if grouped:
+        # Block ends of each expert: the expert of block i covers rows up to offs[expert].
+        block_end = (torch.arange(expert_ids.shape[0], device=x.device) + 1) * block_m
+        offs = torch.zeros(num_experts, dtype=torch.long, device=x.device)
+        offs.scatter_reduce_(0, expert_ids.clamp(min=0), torch.where(expert_ids >= 0, block_end, 0), "amax")
+        offs = offs.cummax(0).values.to(torch.int32)
+        gate, up = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+        y = torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=offs)
+    else:
+        e = expert_ids.clamp(min=0)
+        xb = xs.view(-1, block_m, hidden)
+        gate, up = torch.bmm(xb, w13[e].transpose(1, 2)).chunk(2, dim=-1)
+        y = torch.bmm(F.silu(gate) * up, w2[e].transpose(1, 2)).view(-1, hidden)
+    # Rows past the used blocks (and padding rows) land in a spare row, cut below.
+    w = torch.cat([topk_weights.reshape(-1), topk_weights.new_zeros(1)])[sorted_ids.clamp(max=n)]
+    out = x.new_zeros((n + 1, hidden))
+    out.index_copy_(0, torch.where(valid, sorted_ids, n), (y * w[:, None].to(y.dtype)).to(x.dtype))
+    return out[:n]

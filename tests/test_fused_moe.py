@@ -1,0 +1,108 @@
+"""The fixed-shape routed-expert path (Triton grouped GEMM in the interpreter, and the torch path)
+against the per-expert loop of `MoE.add_experts_sparse`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dpserve.layers.fused_moe import _torch_experts, fused_experts, moe_align_block_size
+
+TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+def loop_reference(x, w13, w2, weights, ids):
+    """The expert loop, as `MoE.add_experts_sparse` runs it (ids outside the experts skipped)."""
+    out = torch.zeros_like(x)
+    for e in ids.unique().tolist():
+        if not 0 <= e < w13.shape[0]:
+            continue
+        rows, slot = torch.where(ids == e)
+        gate, up = F.linear(x[rows], w13[e]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2[e])
+        out.index_add_(0, rows, y * weights[rows, slot, None])
+    return out
+
+
+def make_case(rows, experts, top_k, hidden, inter, routing, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, hidden, generator=g)
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=g) / hidden**0.5
+    w2 = torch.randn(experts, hidden, inter, generator=g) / inter**0.5
+    if routing == "balanced":
+        ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(rows)])
+    elif routing == "skewed":  # every token on expert 2 (and, for top_k > 1, spread for the rest)
+        ids = torch.stack([torch.cat([torch.tensor([2]), (torch.arange(1, top_k) + 2) % experts])] * rows)
+    else:  # padded: the last rows are padding, routed nowhere (ids -1)
+        ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(rows)])
+        ids[rows // 2 :] = -1
+    weights = torch.rand(rows, top_k, generator=g)
+    return x, w13, w2, weights, ids
+
+
+CASES = [
+    # rows, experts, top_k, hidden, inter, routing
+    (13, 8, 2, 48, 40, "balanced"),  # non-power-of-two dims: masked tiles
+    (13, 8, 2, 48, 40, "skewed"),
+    (9, 8, 3, 32, 24, "padded"),
+    (20, 6, 1, 64, 96, "balanced"),
+    (1, 8, 2, 32, 16, "balanced"),
+    (1, 4, 1, 16, 16, "skewed"),
+    (70, 4, 2, 80, 72, "skewed"),  # one expert's rows over several blocks
+]
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}x{c[1]}k{c[2]}-{c[5]}" for c in CASES])
+def test_fused_experts_equals_loop(backend, case):
+    rows, experts, top_k, hidden, inter, routing = case
+    x, w13, w2, weights, ids = make_case(*case)
+    got = fused_experts(x, w13, w2, weights, ids, backend=backend)
+    assert got.shape == x.shape and torch.isfinite(got).all()
+    torch.testing.assert_close(got, loop_reference(x, w13, w2, weights, ids), **TOL)
+
+
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped_mm", "bmm"])
+@pytest.mark.parametrize("block_m", [4, 16])
+def test_torch_variants(grouped, block_m):
+    for case in ((13, 8, 2, 48, 40, "balanced"), (9, 8, 3, 32, 24, "padded"), (5, 4, 2, 32, 16, "skewed")):
+        x, w13, w2, weights, ids = make_case(*case)
+        top_k = ids.shape[1]
+        sorted_ids, expert_ids, _ = moe_align_block_size(ids, w13.shape[0], block_m)
+        got = _torch_experts(x, w13, w2, weights, sorted_ids, expert_ids, top_k, block_m, grouped=grouped)
+        got = got.view(-1, top_k, x.shape[1]).sum(1)
+        torch.testing.assert_close(got, loop_reference(x, w13, w2, weights, ids), **TOL)
+
+
+def test_triton_block_sizes():
+    x, w13, w2, weights, ids = make_case(30, 8, 2, 48, 40, "balanced")
+    ref = loop_reference(x, w13, w2, weights, ids)
+    for block_m in (16, 32):
+        torch.testing.assert_close(fused_experts(x, w13, w2, weights, ids, block_m=block_m), ref, **TOL)
+
+
+def test_align_layout():
+    ids = torch.tensor([[1, 3], [1, 0], [3, -1], [1, 1]])
+    sorted_ids, expert_ids, num_padded = moe_align_block_size(ids, num_experts=4, block_m=4)
+    n = ids.numel()
+    # cdiv(rows * top_k + experts * (block_m - 1), block_m) blocks, whatever the routing
+    assert expert_ids.shape == (5,) and sorted_ids.shape == (20,)
+    assert num_padded.item() == 12  # experts 0, 1, 3: one block each
+    assert expert_ids.tolist()[:3] == [0, 1, 3] and set(expert_ids.tolist()[3:]) == {-1}
+    blocks = sorted_ids.view(-1, 4)
+    assert blocks[0].tolist() == [3, n, n, n]  # assignment 3 = (row 1, k 1) on expert 0
+    assert blocks[1].tolist() == [0, 2, 6, 7]  # expert 1, in token order
+    assert blocks[2].tolist() == [1, 4, n, n]
+    assert (sorted_ids[12:] == n).all()  # the dropped assignment (id -1) appears nowhere
+
+
+def test_half_precision():
+    x, w13, w2, weights, ids = make_case(13, 8, 2, 64, 32, "balanced")
+    ref = loop_reference(x, w13, w2, weights, ids)
+    for dtype in (torch.float16, torch.bfloat16):
+        for backend in ("triton", "torch"):
+            args = [t.to(dtype) for t in (x, w13, w2, weights)]
+            got = fused_experts(*args[:4], ids, backend=backend)
+            assert got.dtype == dtype
+            torch.testing.assert_close(got.float(), ref, atol=5e-2, rtol=5e-2)
