@@ -75,8 +75,9 @@ EXTEND = ([7, 3, 20, 1], [7, 2, 5, 1])  # a full prefill, chunks after a prefix,
 
 
 @pytest.mark.parametrize("lens", [DECODE, EXTEND], ids=["decode", "extend"])
-def test_mla_tiny(lens):
-    mla_case(4, 32, 16, *lens, pad=2)  # key dim 48 = 32 + 16 (masked remainder)
+@pytest.mark.parametrize("rope", [8, 16])
+def test_mla_tiny(lens, rope):
+    mla_case(4, 32, rope, *lens, pad=2)  # key dim 40 or 48: 32 + a masked 16-wide remainder
 
 
 @pytest.mark.parametrize("lens", [DECODE, EXTEND], ids=["decode", "extend"])
@@ -85,7 +86,7 @@ def test_mla_deepseek_dims(lens):
 
 
 @pytest.mark.parametrize("lens", [DECODE, EXTEND], ids=["decode", "extend"])
-@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 16), (6, 2, 96), (3, 3, 64)])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 16), (6, 2, 96), (3, 3, 64), (2, 1, 8)])
 def test_gqa(lens, heads, kv_heads, dim):
     gqa_case(heads, kv_heads, dim, *lens, pad=2)
 

@@ -34,10 +34,15 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _split_dim(d: int) -> tuple[int, int]:
-    """A key dim as (power-of-two part, padded power-of-two remainder, 0 when none): 576 -> (512, 64)."""
-    main = 1 << (d.bit_length() - 1)
+    """A key dim as two power-of-two blocks (the second masked, 0 when not needed), each at least 16
+    (the smallest tl.dot on a GPU): 576 -> (512, 64), 40 -> (32, 16), 8 -> (16, 0)."""
+    main = max(16, 1 << (d.bit_length() - 1))
     rest = d - main
-    return main, (triton.next_power_of_2(rest) if rest else 0)
+    return main, (max(16, triton.next_power_of_2(rest)) if rest > 0 else 0)
+
+
+def _block_dv(d: int) -> int:
+    return max(16, triton.next_power_of_2(d))
 
 
 def _upcast(dtype: torch.dtype) -> bool:
@@ -102,10 +107,11 @@ def _decode_split_kernel(
     end = tl.minimum(start + split_len, seq_len)
 
     offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < LK
     offs_dv = tl.arange(0, BLOCK_DV)
     mask_dv = offs_dv < LV
     q_ptr = Q + b * stride_qb + heads[:, None] * stride_qh
-    q = tl.load(q_ptr + offs_d[None, :], mask=mask_h[:, None], other=0.0)
+    q = tl.load(q_ptr + offs_d[None, :], mask=mask_h[:, None] & mask_d[None, :], other=0.0)
     if BLOCK_DPE > 0:
         offs_dpe = BLOCK_D + tl.arange(0, BLOCK_DPE)
         mask_dpe = offs_dpe < LK
@@ -124,7 +130,7 @@ def _decode_split_kernel(
             mask_n = offs_n < end
             slots = tl.load(ReqToToken + row * stride_rt + offs_n, mask=mask_n, other=0).to(tl.int64)
             k_ptr = K + slots[None, :] * stride_ks + kv_head * stride_kh
-            k = tl.load(k_ptr + offs_d[:, None], mask=mask_n[None, :], other=0.0)
+            k = tl.load(k_ptr + offs_d[:, None], mask=mask_n[None, :] & mask_d[:, None], other=0.0)
             if UPCAST:
                 k = k.to(tl.float32)
             qk = tl.dot(q, k, input_precision=PRECISION)
@@ -261,7 +267,7 @@ def decode_attention(
         LV=lv,
         BLOCK_D=block_d,
         BLOCK_DPE=block_dpe,
-        BLOCK_DV=triton.next_power_of_2(lv),
+        BLOCK_DV=_block_dv(lv),
         BLOCK_N=block_n,
         BLOCK_H=max(16, triton.next_power_of_2(per_prog)),
         NUM_SPLITS=num_kv_splits,
@@ -283,7 +289,7 @@ def decode_attention(
         out.stride(0),
         out.stride(1),
         LV=lv,
-        BLOCK_DV=triton.next_power_of_2(lv),
+        BLOCK_DV=_block_dv(lv),
         NUM_SPLITS=num_kv_splits,
         num_warps=4,
     )
@@ -336,10 +342,11 @@ def _extend_kernel(
         q_pos = prefix + offs_m  # each query's position: it sees keys at positions <= q_pos
 
         offs_d = tl.arange(0, BLOCK_D)
+        mask_d = offs_d < LK
         offs_dv = tl.arange(0, BLOCK_DV)
         mask_dv = offs_dv < LV
         q_ptr = Q + (q_first + offs_m[:, None]).to(tl.int64) * stride_qt + h * stride_qh
-        q = tl.load(q_ptr + offs_d[None, :], mask=mask_m[:, None], other=0.0)
+        q = tl.load(q_ptr + offs_d[None, :], mask=mask_m[:, None] & mask_d[None, :], other=0.0)
         if BLOCK_DPE > 0:
             offs_dpe = BLOCK_D + tl.arange(0, BLOCK_DPE)
             mask_dpe = offs_dpe < LK
@@ -358,7 +365,7 @@ def _extend_kernel(
             mask_n = offs_n < end
             slots = tl.load(ReqToToken + row * stride_rt + offs_n, mask=mask_n, other=0).to(tl.int64)
             k_ptr = K + slots[None, :] * stride_ks + kv_head * stride_kh
-            k = tl.load(k_ptr + offs_d[:, None], mask=mask_n[None, :], other=0.0)
+            k = tl.load(k_ptr + offs_d[:, None], mask=mask_n[None, :] & mask_d[:, None], other=0.0)
             if UPCAST:
                 k = k.to(tl.float32)
             qk = tl.dot(q, k, input_precision=PRECISION)
@@ -450,7 +457,7 @@ def extend_attention(
         LV=lv,
         BLOCK_D=block_d,
         BLOCK_DPE=block_dpe,
-        BLOCK_DV=triton.next_power_of_2(lv),
+        BLOCK_DV=_block_dv(lv),
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         PRECISION=_dot_precision(q.dtype),

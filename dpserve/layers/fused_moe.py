@@ -112,7 +112,9 @@ def _gate_up_kernel(
             wg = tl.load(w_ptr + offs_k[:, None], mask=wmask, other=0.0)
             wu = tl.load(w_ptr + inter * stride_wn + offs_k[:, None], mask=wmask, other=0.0)
             if UPCAST:
-                a, wg, wu = a.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
+                a = a.to(tl.float32)
+                wg = wg.to(tl.float32)
+                wu = wu.to(tl.float32)
             acc_g += tl.dot(a, wg, input_precision=PRECISION)
             acc_u += tl.dot(a, wu, input_precision=PRECISION)
         h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
@@ -162,7 +164,8 @@ def _down_kernel(
             )
             w = tl.load(w_ptr + offs_k[:, None], mask=mask_k[:, None] & mask_n[None, :], other=0.0)
             if UPCAST:
-                a, w = a.to(tl.float32), w.to(tl.float32)
+                a = a.to(tl.float32)
+                w = w.to(tl.float32)
             acc += tl.dot(a, w, input_precision=PRECISION)
         acc *= tl.load(Weights + ids, mask=mask_m, other=0.0).to(tl.float32)[:, None]
         out_ptr = Out + ids[:, None] * stride_om + offs_n[None, :]
@@ -216,6 +219,7 @@ def _triton_experts(x, w13, w2, topk_weights, sorted_ids, expert_ids, num_padded
     rows, hidden = x.shape
     inter = w2.shape[2]
     assert x.stride(1) == 1 and w13.stride(2) == 1 and w2.stride(2) == 1
+    assert block_m >= 16, "tl.dot needs blocks of at least 16 rows"
     n = rows * top_k
     num_blocks = expert_ids.shape[0]
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
