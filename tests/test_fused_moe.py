@@ -64,7 +64,7 @@ def test_fused_experts_equals_loop(backend, case):
 
 
 @pytest.mark.parametrize("grouped", [True, False], ids=["grouped_mm", "bmm"])
-@pytest.mark.parametrize("block_m", [4, 16])
+@pytest.mark.parametrize("block_m", [1, 4, 16])
 def test_torch_variants(grouped, block_m):
     for case in ((13, 8, 2, 48, 40, "balanced"), (9, 8, 3, 32, 24, "padded"), (5, 4, 2, 32, 16, "skewed")):
         x, w13, w2, weights, ids = make_case(*case)
