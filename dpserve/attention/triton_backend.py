@@ -6,14 +6,17 @@ from __future__ import annotations
 import torch
 
 from dpserve.attention.backend import AttentionBackend, AttentionMetadata
-from dpserve.attention.triton_kernels import decode_attention, extend_attention
+from dpserve.attention.triton_kernels import _INTERPRET, decode_attention, extend_attention
 
 
 class TritonBackend(AttentionBackend):
-    """Decode kernel (split-K) when every request feeds exactly one token, extend kernel otherwise."""
+    """Decode kernel (split-K) when every request feeds exactly one token, extend kernel otherwise.
 
-    def __init__(self, num_kv_splits: int = 8):
-        self.num_kv_splits = num_kv_splits
+    num_kv_splits: context slices per request in decode; default 8 on a GPU, 2 in Triton's
+    interpreter (each program costs milliseconds there)."""
+
+    def __init__(self, num_kv_splits: int | None = None):
+        self.num_kv_splits = num_kv_splits or (2 if _INTERPRET else 8)
 
     def mla(self, q, cache, meta, scale, v_dim):
         return self._attend(q, cache[:, None, :], cache[:, None, :v_dim], meta, scale)
