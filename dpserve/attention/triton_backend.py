@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from dpserve.attention.backend import AttentionBackend, AttentionMetadata
-from dpserve.attention.triton_kernels import _INTERPRET, decode_attention, extend_attention
+from dpserve.attention.triton_kernels import decode_attention, extend_attention
+from dpserve.triton_setup import INTERPRET
 
 
 class TritonBackend(AttentionBackend):
@@ -16,7 +17,7 @@ class TritonBackend(AttentionBackend):
     interpreter (each program costs milliseconds there)."""
 
     def __init__(self, num_kv_splits: int | None = None):
-        self.num_kv_splits = num_kv_splits or (2 if _INTERPRET else 8)
+        self.num_kv_splits = num_kv_splits or (2 if INTERPRET else 8)
 
     def mla(self, q, cache, meta, scale, v_dim):
         return self._attend(q, cache[:, None, :], cache[:, None, :v_dim], meta, scale)

@@ -24,13 +24,9 @@ Softmax statistics and accumulators are float32 whatever the input dtype.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from dpserve.triton_setup import tl, triton
-
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+from dpserve.triton_setup import INTERPRET, tl, triton
 
 
 def _split_dim(d: int) -> tuple[int, int]:
@@ -47,7 +43,7 @@ def _block_dv(d: int) -> int:
 
 def _upcast(dtype: torch.dtype) -> bool:
     # Triton's interpreter multiplies bfloat16 matrices wrongly (3.9): it gets float32 operands.
-    return _INTERPRET and dtype == torch.bfloat16
+    return INTERPRET and dtype == torch.bfloat16
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -235,7 +231,7 @@ def decode_attention(
     progs_per_kv = triton.cdiv(group, per_prog)
     block_d, block_dpe = _split_dim(lk)
     if block_n is None:
-        block_n = 64 if _INTERPRET else (32 if lk > 256 else 64)
+        block_n = 64 if INTERPRET else (32 if lk > 256 else 64)
     mid_o = torch.empty((batch, heads, num_kv_splits, lv), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((batch, heads, num_kv_splits), dtype=torch.float32, device=q.device)
     _decode_split_kernel[(batch, kv_heads * progs_per_kv, num_kv_splits)](
@@ -430,9 +426,9 @@ def extend_attention(
         return out
     block_d, block_dpe = _split_dim(lk)
     if block_m is None:
-        block_m = 32 if _INTERPRET else (16 if lk > 256 else 64)
+        block_m = 32 if INTERPRET else (16 if lk > 256 else 64)
     if block_n is None:
-        block_n = 64 if _INTERPRET else (32 if lk > 256 else 64)
+        block_n = 64 if INTERPRET else (32 if lk > 256 else 64)
     _extend_kernel[(batch, heads, triton.cdiv(max_q_len, block_m))](
         q,
         k_cache,

@@ -20,14 +20,10 @@ rows) and w2 [experts, hidden, inter].
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
-from dpserve.triton_setup import tl, triton
-
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+from dpserve.triton_setup import INTERPRET, tl, triton
 
 
 def moe_align_block_size(
@@ -233,7 +229,7 @@ def _triton_experts(x, w13, w2, topk_weights, sorted_ids, expert_ids, num_padded
     n = rows * top_k
     num_blocks = expert_ids.shape[0]
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    upcast = _INTERPRET and x.dtype == torch.bfloat16  # the interpreter's bfloat16 dot is wrong
+    upcast = INTERPRET and x.dtype == torch.bfloat16  # the interpreter's bfloat16 dot is wrong
     block_n, block_k = 64, 64
     h = x.new_empty((n, inter))
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, block_n))](
