@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from dpserve.config import DEFAULT_CUDA_GRAPH_MAX_BS, PADDING_MODES
+from dpserve.config import ATTENTION_BACKENDS, DEFAULT_CUDA_GRAPH_MAX_BS, PADDING_MODES
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -29,10 +29,19 @@ def add_engine_args(p: argparse.ArgumentParser, log_level: str = "info") -> None
         "--dtype",
         default="auto",
         choices=["auto", "float32", "float16", "bfloat16"],
-        help="weights and activations; auto: float32 on CPU, bfloat16 on GPU",
+        help="weights and activations; auto: bfloat16 on GPU and on CPUs with native bfloat16 "
+        "(AMX or AVX512-BF16), else float32",
     )
     m.add_argument(
         "--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if available"
+    )
+    m.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=ATTENTION_BACKENDS,
+        help="triton: paged kernels reading the KV pool by slot (any context length in a CUDA graph); "
+        "sdpa: the reference, gathering each request's KV for PyTorch's attention; auto: triton on GPU, "
+        "sdpa on CPU",
     )
     par = p.add_argument_group("parallelism")
     par.add_argument(
@@ -126,6 +135,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enable_dp_attention=args.enable_dp_attention,
         device=args.device,
         dtype=args.dtype,
+        attention_backend=args.attention_backend,
         max_total_tokens=args.max_total_tokens,
         kv_cache_memory_gb=args.kv_cache_memory_gb,
         max_running_requests=args.max_running_requests,

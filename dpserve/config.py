@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from dpserve.distributed import Topology
 
 PADDING_MODES = ("auto", "sum_len", "max_len")
+ATTENTION_BACKENDS = ("auto", "triton", "sdpa")
 DEFAULT_CUDA_GRAPH_MAX_BS = 128
 
 
@@ -14,6 +15,16 @@ def graph_batch_sizes(max_bs: int) -> list[int]:
     """The default decode buckets up to `max_bs`: 1, 2, 4, 8, then every multiple of 8, and max_bs."""
     sizes = [b for b in (1, 2, 4) if b < max_bs] + list(range(8, max_bs, 8))
     return [*sizes, max_bs]
+
+
+def cpu_has_native_bfloat16() -> bool:
+    """AMX or AVX512-BF16: bfloat16 matmuls run natively, several times faster than float32."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(next((line for line in f if line.startswith("flags")), "").split())
+    except OSError:
+        return False
+    return bool(flags & {"amx_bf16", "avx512_bf16"})
 
 
 @dataclass
@@ -25,7 +36,10 @@ class EngineConfig:
     dp_size: int = 1
     enable_dp_attention: bool = False
     device: str = "auto"  # auto: cuda when available, else cpu
-    dtype: str = "auto"  # auto: float32 on cpu, bfloat16 on cuda
+    dtype: str = (
+        "auto"  # auto: bfloat16 on cuda and on CPUs with native bfloat16 (AMX, AVX512-BF16), else float32
+    )
+    attention_backend: str = "auto"  # auto: triton on cuda, sdpa on cpu
     max_total_tokens: int | None = None  # KV pool size per DP rank; overrides the memory budget
     kv_cache_memory_gb: float | None = None  # KV budget per rank (GiB); default depends on device
     max_running_requests: int = 256  # per DP rank
@@ -81,9 +95,15 @@ class EngineConfig:
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'auto', got {self.device!r}")
         if self.dtype == "auto":
-            self.dtype = "float32" if self.device == "cpu" else "bfloat16"
+            self.dtype = "bfloat16" if self.device == "cuda" or cpu_has_native_bfloat16() else "float32"
         if self.dtype not in ("float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be float32, float16, bfloat16 or auto, got {self.dtype!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
+            )
+        if self.attention_backend == "auto":
+            self.attention_backend = "triton" if self.device == "cuda" else "sdpa"
 
     @property
     def num_instances(self) -> int:

@@ -1,5 +1,5 @@
 """The fixed-shape routed-expert path (Triton grouped GEMM in the interpreter, and the torch path)
-against the per-expert loop of `MoE.add_experts_sparse`."""
+against the per-expert loop of `MoE.add_experts_loop`."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ TOL = dict(atol=1e-5, rtol=1e-5)
 
 
 def loop_reference(x, w13, w2, weights, ids):
-    """The expert loop, as `MoE.add_experts_sparse` runs it (ids outside the experts skipped)."""
+    """The expert loop, as `MoE.add_experts_loop` runs it (ids outside the experts skipped)."""
     out = torch.zeros_like(x)
     for e in ids.unique().tolist():
         if not 0 <= e < w13.shape[0]:

@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import random
-from types import SimpleNamespace
 
 import pytest
-import torch
 from conftest import GREEDY, KV_BUDGET_GB, NEW_TOKENS, assert_matches_reference
 
 from dpserve.distributed import Topology
 from dpserve.engine.padding import CostModel, Curve, PaddingPlanner
-from dpserve.layers.mlp import MoE
 
 # (tp, dp, arch); the unpadded sum_len engine of each layout is the baseline.
 LAYOUTS = [(2, 2, "deepseek_v2"), (4, 4, "deepseek_v3")]
@@ -218,29 +215,3 @@ def test_planner_agrees_on_every_rank():
 def test_curve_interpolates_and_extends():
     c = Curve((1.0, 4.0, 8.0), (1.0, 4.0, 6.0))
     assert [c(1), c(2), c(6), c(16)] == [1.0, 2.0, 5.0, 10.0]
-
-
-def test_dense_experts_match_sparse():
-    """The fixed-shape expert path a CUDA graph captures computes what the per-expert loop does."""
-    torch.manual_seed(0)
-    cfg = SimpleNamespace(
-        hidden_size=32,
-        n_routed_experts=8,
-        num_experts_per_tok=3,
-        topk_method="greedy",
-        scoring_func="softmax",
-        n_group=1,
-        topk_group=1,
-        norm_topk_prob=True,
-        routed_scaling_factor=1.5,
-    )
-    moe = MoE(cfg, intermediate_local=16, shared_local=0)
-    for p in moe.parameters():
-        p.data.normal_(0, 0.2)
-    x = torch.randn(5, 32)
-    weights, ids = torch.rand(5, 3), torch.stack([torch.randperm(8)[:3] for _ in range(5)])
-    sparse, dense = torch.zeros_like(x), torch.zeros_like(x)
-    moe.add_experts_sparse(sparse, x, weights, ids)
-    moe.add_experts_dense(dense, x, weights, ids)
-    assert sparse.abs().max() > 0.1
-    torch.testing.assert_close(dense, sparse, atol=1e-5, rtol=1e-5)

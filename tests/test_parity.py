@@ -78,3 +78,13 @@ def test_gqa_kv_bytes_follow_attention_tp(engine_cache, model_dirs):
         head_dim = hf.hidden_size // hf.num_attention_heads
         expected = hf.num_hidden_layers * 2 * -(-hf.num_key_value_heads // a) * head_dim * 4
         assert {r["kv_bytes_per_token"] for r in engine.get_server_info()["dp_ranks"]} == {expected}
+
+
+@pytest.mark.parametrize("arch,tp,dp", [("deepseek_v2", 1, 1), ("deepseek_v2", 2, 2), ("llama", 1, 1)])
+def test_triton_backend_parity(engine_cache, model_dirs, prompts, references, arch, tp, dp):
+    """The GPU attention kernels (in Triton's interpreter here) through the whole engine: prefill
+    by the extend kernel, padded decode steps by the split-K decode kernel."""
+    engine = engine_for(engine_cache, model_dirs, arch, tp, dp, attention_backend="triton")
+    outputs = engine.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True)
+    assert_matches_reference(outputs, references[arch])
+    assert engine.get_server_info()["attention_backend"] == "triton"

@@ -51,6 +51,8 @@ def server(model, engine_outputs):
         "--dp",
         "2",
         "--enable-dp-attention",
+        "--dtype",
+        "float32",  # as the engine outputs compared against
         "--max-total-tokens",
         str(POOL),
         "--log-level",

@@ -25,7 +25,16 @@ def replicas(model_dirs, engine_cache):
     engine_cache.close()
     model = model_dirs["deepseek_v2"]
     with ServerProcess(
-        "--model-path", model, "--tp", "1", "--dp", "2", "--load-balance-method", "round_robin"
+        "--model-path",
+        model,
+        "--tp",
+        "1",
+        "--dp",
+        "2",
+        "--load-balance-method",
+        "round_robin",
+        "--dtype",
+        "float32",
     ) as srv:
         yield srv
 
@@ -55,6 +64,7 @@ def test_two_nodes_on_loopback_form_one_instance(model_dirs, prompts, references
     engine_cache.close()
     model = model_dirs["deepseek_v2"]
     layout = ["--model-path", model, "--tp", "4", "--dp", "2", "--enable-dp-attention", "--nnodes", "2"]
+    layout += ["--dtype", "float32"]  # as the transformers reference
     layout += ["--dist-init-addr", f"127.0.0.1:{free_port()}"]
     node1 = ServerProcess(*layout, "--node-rank", "1", wait_ready=False)
     try:

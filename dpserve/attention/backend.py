@@ -34,6 +34,9 @@ class AttentionMetadata:
 class AttentionBackend(ABC):
     """Attention over the paged KV pool; one instance per model, shared by its layers."""
 
+    # Longest KV a captured decode graph can attend to (None: any, lengths live in device buffers).
+    graph_max_kv_len: int | None = None
+
     def prepare(self, meta: AttentionMetadata) -> None:  # noqa: B027 (optional hook)
         """Derives what the layers share, once per forward (inside a captured graph)."""
 

@@ -10,6 +10,8 @@ from dpserve.attention.backend import AttentionBackend, AttentionMetadata
 
 
 class SdpaBackend(AttentionBackend):
+    graph_max_kv_len = 4096  # a graph's [batch, kv_len] grid is fixed at capture
+
     def prepare(self, meta: AttentionMetadata) -> None:
         dev = meta.req_idx.device
         q_lens = meta.q_start[1:] - meta.q_start[:-1]

@@ -52,6 +52,8 @@ def server_info(cfg: EngineConfig, dp_info: list[dict]) -> dict:
         "attn_tp_size": cfg.attn_tp_size,
         "enable_dp_attention": cfg.enable_dp_attention,
         "nnodes": cfg.nnodes,
+        "dtype": cfg.dtype,
+        "attention_backend": cfg.attention_backend,
         "dp_padding_mode": cfg.dp_padding_mode,
         "graph_buckets": cfg.graph_buckets,
         "chunked_prefill_size": cfg.chunked_prefill_size,

@@ -22,10 +22,6 @@ from dpserve.models.batch import ForwardBatch
 if TYPE_CHECKING:
     from dpserve.engine.model_runner import ModelRunner
 
-# Keys a graph's attention reads per request: a decode step whose longest request holds more
-# KV than this runs eagerly (and is counted as an eager step).
-GRAPH_MAX_KV_LEN = 4096
-
 
 class CudaGraphRunner:
     def __init__(self, runner: ModelRunner):

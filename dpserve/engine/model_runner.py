@@ -11,10 +11,11 @@ from collections.abc import Callable
 
 import torch
 
+from dpserve.attention import make_backend
 from dpserve.attention.backend import AttentionMetadata
 from dpserve.config import EngineConfig
 from dpserve.distributed import Groups
-from dpserve.engine.graph_runner import GRAPH_MAX_KV_LEN, CudaGraphRunner
+from dpserve.engine.graph_runner import CudaGraphRunner
 from dpserve.engine.padding import PaddingPlanner, calibrate
 from dpserve.kvcache.pool import KVPool
 from dpserve.layers.dp_attention import DPStep
@@ -45,7 +46,7 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                self.model = build_model(model_cfg, groups)
+                self.model = build_model(model_cfg, groups, make_backend(cfg.attention_backend))
         finally:
             torch.set_default_dtype(previous)
         reader = CheckpointReader(cfg.model_path, self.dtype)
@@ -69,7 +70,8 @@ class ModelRunner:
         self.req_to_token = torch.zeros(
             cfg.max_running_requests + 1, model_cfg.context_len, dtype=torch.int32, device=self.device
         )
-        self.graph_kv_len = min(model_cfg.context_len, GRAPH_MAX_KV_LEN)
+        # A decode step whose longest request exceeds what a graph's attention reads runs eagerly.
+        self.graph_kv_len = min(model_cfg.context_len, self.model.attn_backend.graph_max_kv_len or 1 << 62)
         self.planner = PaddingPlanner(cfg.dp_padding_mode, cfg.graph_buckets, self.topo)
         self.graphs = CudaGraphRunner(self) if cfg.device == "cuda" and cfg.graph_buckets else None
         if cfg.dp_padding_mode == "auto" and self.topo.dp_size > 1:

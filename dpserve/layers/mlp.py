@@ -97,30 +97,23 @@ class MoE(nn.Module):
             self.scaling,
         )
         out = self.shared_experts(x) if self.shared_experts is not None else torch.zeros_like(x)
-        # The per-expert loop has data-dependent shapes; a CUDA graph needs the fixed-shape path.
-        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-        (self.add_experts_dense if capturing else self.add_experts_sparse)(out, x, weights, ids)
+        if x.is_cuda:  # fixed shapes, top_k experts' work per row: eager and captured graphs alike
+            from dpserve.layers.fused_moe import fused_experts  # Triton, imported where it runs
+
+            return out.add_(fused_experts(x, self.w13, self.w2, weights, ids))
+        self.add_experts_loop(out, x, weights, ids)
         return out
 
-    def add_experts_sparse(
+    def add_experts_loop(
         self, out: torch.Tensor, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     ) -> None:
-        """Adds the routed experts' output: each chosen expert on its own rows."""
+        """Adds the routed experts' output: each chosen expert on its own rows (the CPU path, and
+        the reference of `fused_experts`)."""
         for e in ids.unique().tolist():
             rows, slot = torch.where(ids == e)
             gate, up = F.linear(x[rows], self.w13[e]).chunk(2, dim=-1)
             y = F.linear(F.silu(gate) * up, self.w2[e])
             out.index_add_(0, rows, y * weights[rows, slot, None].to(y.dtype))
-
-    def add_experts_dense(
-        self, out: torch.Tensor, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
-    ) -> None:
-        """Adds the routed experts' output with fixed shapes: every expert on every row, weighted
-        by its routing weight (zero where not chosen)."""
-        combine = x.new_zeros((x.shape[0], self.w13.shape[0])).scatter_(1, ids, weights.to(x.dtype))
-        gate, up = torch.einsum("nh,eih->eni", x, self.w13).chunk(2, dim=-1)
-        y = torch.einsum("eni,ehi->enh", F.silu(gate) * up, self.w2)
-        out.add_(torch.einsum("ne,enh->nh", combine, y))
 
     def load(self, r: CheckpointReader, prefix: str, shard: int, num_shards: int) -> None:
         self.gate.data.copy_(r.get(f"{prefix}.gate.weight", torch.float32))
