@@ -113,8 +113,7 @@ def run(args: argparse.Namespace, engine_kwargs: dict, model: str, layouts=None)
 
     name = args.device_profile or ("cpu" if getattr(args, "device", None) == "cpu" else "h100")
     profile = get_profile(name, remeasure=args.remeasure)
-    if profile.is_cpu:
-        engine_kwargs.pop("device", None)
+    engine_kwargs = {k: v for k, v in engine_kwargs.items() if k != "device"}  # the profile's device
     num_gpus = getattr(args, "num_gpus", None) or (
         layouts[0].num_gpus if layouts else (4 if profile.is_cpu else 8)
     )

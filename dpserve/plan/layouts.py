@@ -17,7 +17,6 @@ from dpserve.kvcache.pool import KVPool
 from dpserve.layers.mlp import MLP, MoE
 from dpserve.memory import (
     activation_peak_estimate,
-    dtype_bytes,
     kv_budget_bytes,
     kv_pool_tokens,
     param_bytes,
@@ -208,9 +207,12 @@ def layout_memory(
     except ValueError as e:
         out.fits = False
         out.error = (
-            f"does not fit: weights {out.weight_bytes / 2**30:.1f} GiB + activations "
-            f"{out.activation_bytes / 2**30:.1f} GiB per rank vs {total_memory * cfg.mem_fraction_static / 2**30:.1f} "
-            f"GiB static memory ({e})"
+            (
+                f"does not fit: weights {out.weight_bytes / 2**30:.1f} GiB + activations "
+                f"{out.activation_bytes / 2**30:.1f} GiB per rank leave no KV room in "
+                f"{total_memory * cfg.mem_fraction_static / 2**30:.1f} GiB (total x mem_fraction_static)"
+            )
+            if cfg.device == "cuda"
+            else str(e)
         )
-    _ = dtype_bytes
     return out

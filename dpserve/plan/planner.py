@@ -89,9 +89,7 @@ class StepModel:
         self.attn_spans = self.ranks_per_node < self.A
         self.buckets = cfg.graph_buckets
         self.graphs = bool(self.buckets)
-        if moe_kernel == "engine":  # dense fixed-shape experts inside CUDA graphs, sparse when eager
-            moe_kernel = "dense" if cfg.device == "cuda" and self.graphs else "sparse"
-        self.moe_kernel = moe_kernel
+        self.moe_kernel = moe_kernel  # engine: dense fixed-shape experts in CUDA graphs, sparse when eager
         r, c = self.ranks_per_node, max(prof.cores, 1)
         if prof.is_cpu:
             threads = max(1, c // r)
@@ -113,7 +111,14 @@ class StepModel:
 
     # --- one step --------------------------------------------------------------------------------
     def step(
-        self, local_rows: int, mlp_rows: int, real_local: int, ctx: float, sampled: int, mode: str
+        self,
+        local_rows: int,
+        mlp_rows: int,
+        real_local: int,
+        ctx: float,
+        sampled: int,
+        mode: str,
+        graphed: bool = False,
     ) -> dict:
         """Seconds by part for one step: `local_rows` per group (padded), `mlp_rows` in the MoE/MLP,
         `real_local` real requests per group reading `ctx` KV tokens each."""
@@ -136,7 +141,10 @@ class StepModel:
         t_attn = max((c.attn_bytes + kv_bytes) / bw, attn_flops / flops)
         # MLP / MoE on the gathered rows
         if c.moe_layers:
-            if self.moe_kernel == "dense":
+            dense = self.moe_kernel == "dense" or (
+                self.moe_kernel == "engine" and graphed and self.cfg.device == "cuda"
+            )
+            if dense:
                 touched, active = c.num_experts, c.num_experts
             else:
                 touched = c.num_experts * (1 - (1 - c.top_k / c.num_experts) ** mlp_rows)
@@ -204,7 +212,7 @@ class StepModel:
                 bucket = _bucket(sorted({round_up(x, A) for x in self.buckets}), b) if self.graphs else None
                 local = bucket or round_up(b, A)
                 rows = G * local
-            parts = self.step(local, rows, b, ctx, b, mode)
+            parts = self.step(local, rows, b, ctx, b, mode, graphed=bucket is not None)
             options.append(StepTime(batch, sum(parts.values()), mode, rows, parts))
         return min(options, key=lambda s: s.seconds)
 

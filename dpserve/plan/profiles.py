@@ -127,14 +127,18 @@ def measure_cpu() -> DeviceProfile:
     big = torch.empty(64 * MiB // 4)
     dst = torch.empty_like(big)
     mem_bw = 2 * big.numel() * 4 / _median_time(lambda: dst.copy_(big))
+    # Dispatch of a small op, with one thread (the engine gives each rank cores // ranks threads; with
+    # several threads a tiny op mostly waits for the pool's wake-up, on a busy machine badly).
+    torch.set_num_threads(1)
     x = torch.randn(4, 64)
     w = torch.randn(64, 64)
 
     def ops():
         for _ in range(200):
             torch.nn.functional.linear(x, w)
+            x.add(1.0)
 
-    op = _median_time(ops) / 200
+    op = _median_time(ops) / 400
     torch.set_num_threads(previous)
     gloo = measure_gloo()
     alpha = gloo["alpha"]
