@@ -54,6 +54,7 @@ def test_planner_memory_equals_engine(model_dirs, model, tp, dp, attn, kv_gb):
         device="cpu",
         dtype="float32",
         kv_cache_memory_gb=kv_gb,
+        dp_padding_mode="sum_len",  # no start-up calibration: memory does not depend on the mode
     ) as engine:
         info = engine.get_server_info()
     assert len(info["dp_ranks"]) == mem.groups == dp
