@@ -91,8 +91,15 @@ class StepModel:
         self.graphs = bool(self.buckets)
         self.moe_kernel = moe_kernel  # engine: dense fixed-shape experts in CUDA graphs, sparse when eager
         r, c = self.ranks_per_node, max(prof.cores, 1)
+        self.op_s = prof.op_overhead
+        self.alpha = {}
         if prof.is_cpu:
             threads = max(1, c // r)
+            by_threads = prof.measured.get("op_s_by_threads", {})
+            self.op_s = by_threads.get(str(threads), prof.op_overhead)
+            # gloo latency per ring step measured with this many processes on the machine
+            for w, g in prof.measured.get("gloo_by_world", {}).items():
+                self.alpha[int(w)] = g["alpha"]
             self.compute_share = threads / c if r <= c else 1 / r
             self.bw_share = 1 / min(r, c)
             self.oversub = max(1.0, r / c)
@@ -106,8 +113,13 @@ class StepModel:
         p = self.p
         alpha, bw = (p.inter_alpha, p.inter_bw) if spans else (p.intra_alpha, p.intra_bw)
         steps = 2 * (ranks - 1) if kind == "all_reduce" else ranks - 1
-        latency = alpha * steps if p.is_cpu else alpha * (2 if kind == "all_reduce" else 1)
-        return latency * self.oversub + steps / ranks * nbytes / bw
+        if p.is_cpu:
+            # measured at the node's process count (contention included), else scaled from 2 processes
+            measured = self.alpha.get(self.ranks_per_node)
+            latency = steps * (measured if measured is not None else alpha * self.oversub)
+        else:
+            latency = alpha * (2 if kind == "all_reduce" else 1)
+        return latency + steps / ranks * nbytes / bw
 
     # --- one step --------------------------------------------------------------------------------
     def step(
@@ -186,7 +198,7 @@ class StepModel:
                     ops += OPS_MOE + OPS_EXPERT * visited
                 else:
                     ops += OPS_MLP
-            fixed += ops * p.op_overhead * self.oversub
+            fixed += ops * self.op_s * self.oversub
         return {"attention": t_attn, "mlp": t_mlp, "lm_head": t_head, "collectives": t_coll, "fixed": fixed}
 
     def _layer_kinds(self) -> list[bool]:
@@ -196,15 +208,16 @@ class StepModel:
     def decode(self, batch: int, ctx: float) -> StepTime:
         """A decode step with `batch` requests spread evenly over all groups of all instances."""
         groups_total = self.mem.groups
-        b = math.ceil(batch / groups_total)
         G, A = self.G, self.A
+        b = math.ceil(batch / groups_total)  # requests of the busiest group
+        per_instance = math.ceil(batch / (groups_total // G))  # S: real rows of one instance
         options = []
         modes = ("sum_len", "max_len") if G > 1 and self.cfg.dp_padding_mode == "auto" else None
         if modes is None:
             modes = (self.cfg.dp_padding_mode if G > 1 else "sum_len",)
         for mode in modes:
             if mode == "sum_len":
-                s = b * G
+                s = per_instance
                 bucket = _bucket(self.buckets, s) if self.graphs else None
                 rows = bucket or s
                 local = bucket or b

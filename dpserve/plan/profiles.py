@@ -127,9 +127,8 @@ def measure_cpu() -> DeviceProfile:
     big = torch.empty(64 * MiB // 4)
     dst = torch.empty_like(big)
     mem_bw = 2 * big.numel() * 4 / _median_time(lambda: dst.copy_(big))
-    # Dispatch of a small op, with one thread (the engine gives each rank cores // ranks threads; with
-    # several threads a tiny op mostly waits for the pool's wake-up, on a busy machine badly).
-    torch.set_num_threads(1)
+    # Dispatch of a small op at each thread count a rank may get (the engine gives each rank
+    # cores // ranks threads): with several threads a tiny op mostly waits for the pool's wake-up.
     x = torch.randn(4, 64)
     w = torch.randn(64, 64)
 
@@ -138,9 +137,14 @@ def measure_cpu() -> DeviceProfile:
             torch.nn.functional.linear(x, w)
             x.add(1.0)
 
-    op = _median_time(ops) / 400
+    op_by_threads = {}
+    for threads in sorted({1, cores}):
+        torch.set_num_threads(threads)
+        op_by_threads[threads] = _median_time(ops, reps=15) / 400
     torch.set_num_threads(previous)
-    gloo = measure_gloo()
+    op = op_by_threads[1]
+    gloo = measure_gloo(2)
+    gloo_by_world = {str(w): measure_gloo(w) for w in (2, 4)}
     alpha = gloo["alpha"]
     return DeviceProfile(
         name="cpu",
@@ -160,7 +164,14 @@ def measure_cpu() -> DeviceProfile:
         op_overhead=op,
         cores=cores,
         source=f"measured on this machine ({cores} cores)",
-        measured={"matmul_flops": flops, "copy_bw": mem_bw, "op_s": op, "gloo": gloo},
+        measured={
+            "matmul_flops": flops,
+            "copy_bw": mem_bw,
+            "op_s": op,
+            "op_s_by_threads": {str(k): v for k, v in op_by_threads.items()},
+            "gloo": gloo,
+            "gloo_by_world": gloo_by_world,
+        },
     )
 
 
