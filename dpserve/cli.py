@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from dpserve.config import ATTENTION_BACKENDS, DEFAULT_CUDA_GRAPH_MAX_BS, PADDING_MODES
+from dpserve.memory import DEFAULT_MEM_FRACTION_STATIC
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -80,7 +81,16 @@ def add_engine_args(p: argparse.ArgumentParser, log_level: str = "info") -> None
         "--kv-cache-memory-gb",
         type=float,
         default=None,
-        help="KV budget per rank in GiB (default: 0.25 on CPU, 80%% of free memory on GPU)",
+        help="KV budget per rank in GiB (default: 0.25 on CPU; on GPU from --mem-fraction-static)",
+    )
+    sch.add_argument(
+        "--mem-fraction-static",
+        type=float,
+        default=DEFAULT_MEM_FRACTION_STATIC,
+        help="GPU: fraction of each device's memory for the weights and the KV pool (SGLang's meaning). "
+        "The KV budget per rank is total x fraction - weights - the activation peak of a warm-up "
+        "prefill of --chunked-prefill-size tokens, measured at start-up; all ranks then take the "
+        "smallest pool. Lower it if other processes share the GPU or start-up runs out of memory",
     )
     sch.add_argument(
         "--max-running-requests", type=positive_int, default=256, help="running requests per DP group"
@@ -138,6 +148,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         attention_backend=args.attention_backend,
         max_total_tokens=args.max_total_tokens,
         kv_cache_memory_gb=args.kv_cache_memory_gb,
+        mem_fraction_static=args.mem_fraction_static,
         max_running_requests=args.max_running_requests,
         chunked_prefill_size=args.chunked_prefill_size,
         dp_padding_mode=args.dp_padding_mode,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dpserve.distributed import Topology
+from dpserve.memory import DEFAULT_MEM_FRACTION_STATIC
 
 PADDING_MODES = ("auto", "sum_len", "max_len")
 ATTENTION_BACKENDS = ("auto", "triton", "sdpa")
@@ -42,6 +43,8 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto: triton on cuda, sdpa on cpu
     max_total_tokens: int | None = None  # KV pool size per DP rank; overrides the memory budget
     kv_cache_memory_gb: float | None = None  # KV budget per rank (GiB); default depends on device
+    # GPU: fraction of the device's memory for weights + KV pool (+ the measured activation peak)
+    mem_fraction_static: float = DEFAULT_MEM_FRACTION_STATIC
     max_running_requests: int = 256  # per DP rank
     chunked_prefill_size: int = 2048  # prefill tokens per step, per DP rank
     dp_padding_mode: str = "auto"  # sum_len, max_len, or auto: the cheaper of the two, chosen per step
@@ -86,6 +89,8 @@ class EngineConfig:
                 raise ValueError(f"cuda_graph_bs must list batch sizes >= 1, got {self.cuda_graph_bs}")
         if self.chunked_prefill_size < 1:
             raise ValueError(f"chunked_prefill_size must be >= 1, got {self.chunked_prefill_size}")
+        if not 0 < self.mem_fraction_static <= 1:
+            raise ValueError(f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}")
         if self.max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
         if self.device == "auto":

@@ -84,7 +84,34 @@ def build_parser() -> argparse.ArgumentParser:
         help="HOST:PORT of node 0 for torch.distributed (required with --nnodes > 1); ports "
         "PORT..PORT+instances+dp are used",
     )
+    plan = p.add_argument_group("planning")
+    plan.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the planner's figures for these flags (weights and KV per rank, KV tokens per group, "
+        "predicted decode step and prefill time; python -m dpserve.plan) and exit without starting anything",
+    )
+    plan.add_argument(
+        "--device-profile",
+        default=None,
+        help="with --dry-run: h100, h200, a100-80g, b200 or cpu (default: cpu on the CPU, else h100)",
+    )
     return p
+
+
+def dry_run(args: argparse.Namespace, cfg: EngineConfig) -> int:
+    """The plan of this one layout (python -m dpserve.plan with these flags)."""
+    from dpserve.plan.__main__ import build_parser as plan_parser
+    from dpserve.plan.__main__ import run
+    from dpserve.plan.layouts import Layout
+
+    plan_args = plan_parser().parse_args(["--model-path", cfg.model_path, "--nnodes", str(cfg.nnodes)])
+    plan_args.device_profile = args.device_profile or ("cpu" if cfg.device == "cpu" else "h100")
+    kwargs = engine_kwargs(args)
+    for key in ("model_path", "tp_size", "dp_size", "enable_dp_attention", "random_seed", "log_level"):
+        kwargs.pop(key)
+    layout = Layout(cfg.tp_size, cfg.dp_size, cfg.enable_dp_attention)
+    return run(plan_args, kwargs, cfg.model_path, [layout])
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -113,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
             cfg.nnodes,
             cfg.node_rank,
         )
+        if args.dry_run:
+            return dry_run(args, cfg)
         if cfg.node_rank > 0:
             from dpserve.engine.workers import run_node
 

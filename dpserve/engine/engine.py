@@ -58,12 +58,15 @@ def server_info(cfg: EngineConfig, dp_info: list[dict]) -> dict:
         "graph_buckets": cfg.graph_buckets,
         "chunked_prefill_size": cfg.chunked_prefill_size,
         "max_running_requests": cfg.max_running_requests,
+        "mem_fraction_static": cfg.mem_fraction_static,
         "radix_cache": not cfg.disable_radix_cache,
         "dp_ranks": [
             {
                 "dp_rank": g,
                 "max_total_num_tokens": info["max_total_num_tokens"],
                 "kv_bytes_per_token": info["kv_bytes_per_token"],
+                "weight_bytes": info["weight_bytes"],  # parameters and buffers of the group leader
+                "activation_bytes": info["activation_bytes"],  # measured peak (GPU; 0 on the CPU)
             }
             for g, info in enumerate(dp_info)
         ],

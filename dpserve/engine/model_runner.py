@@ -19,16 +19,14 @@ from dpserve.engine.graph_runner import CudaGraphRunner
 from dpserve.engine.padding import PaddingPlanner, calibrate
 from dpserve.kvcache.pool import KVPool
 from dpserve.layers.dp_attention import DPStep
+from dpserve.memory import agree_min, kv_budget_bytes, kv_pool_tokens, param_bytes
 from dpserve.models.batch import ForwardBatch
 from dpserve.models.checkpoint import CheckpointReader
 from dpserve.models.config import ModelConfig
 from dpserve.models.registry import build_model
-from dpserve.scheduler.plan import StepPlan
+from dpserve.scheduler.plan import ReqStep, StepPlan
 
 logger = logging.getLogger(__name__)
-
-CPU_DEFAULT_KV_GB = 0.25
-GPU_KV_FRACTION_OF_FREE = 0.8  # of the memory left after the weights; the rest is for activations
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -53,22 +51,30 @@ class ModelRunner:
         self.model.load_weights(reader, show_progress=self.topo.rank == 0)
         reader.close()
         self.model.to(self.device)
+        self.weight_bytes = param_bytes(self.model)
         shapes = self.model.kv_entry_shapes()
         self.kv_bytes_per_token = KVPool.bytes_per_token(model_cfg.num_layers, shapes, self.dtype)
-        self.max_total_num_tokens = self._kv_capacity()
-        self.pool = KVPool(model_cfg.num_layers, self.max_total_num_tokens, shapes, self.dtype, self.device)
-        logger.info(
-            "dp_rank %d attn_tp_rank %d: KV pool of %d tokens x %d bytes (%.1f MiB)",
-            self.topo.dp_rank,
-            self.topo.attn_tp_rank,
-            self.max_total_num_tokens,
-            self.kv_bytes_per_token,
-            self.max_total_num_tokens * self.kv_bytes_per_token / 2**20,
-        )
         # Pool slot of every position of every running request, kept alike on every rank of the group:
         # each step writes only its new slots (row 0 stays zero for padded rows).
         self.req_to_token = torch.zeros(
             cfg.max_running_requests + 1, model_cfg.context_len, dtype=torch.int32, device=self.device
+        )
+        self.activation_bytes = 0
+        local_tokens = self._kv_capacity(shapes)
+        # Every rank of the instance takes the smallest pool, so the ranks of a group hold the same.
+        self.max_total_num_tokens = agree_min(local_tokens, groups.world_cpu)
+        self.pool = KVPool(model_cfg.num_layers, self.max_total_num_tokens, shapes, self.dtype, self.device)
+        logger.info(
+            "dp_rank %d attn_tp_rank %d: weights %.1f MiB, activation peak %.1f MiB, KV budget holds %d "
+            "tokens here; KV pool of %d tokens (the instance's minimum) x %d bytes (%.1f MiB)",
+            self.topo.dp_rank,
+            self.topo.attn_tp_rank,
+            self.weight_bytes / 2**20,
+            self.activation_bytes / 2**20,
+            local_tokens,
+            self.max_total_num_tokens,
+            self.kv_bytes_per_token,
+            self.max_total_num_tokens * self.kv_bytes_per_token / 2**20,
         )
         # A decode step whose longest request exceeds what a graph's attention reads runs eagerly.
         self.graph_kv_len = min(model_cfg.context_len, self.model.attn_backend.graph_max_kv_len or 1 << 62)
@@ -77,22 +83,48 @@ class ModelRunner:
         if cfg.dp_padding_mode == "auto" and self.topo.dp_size > 1:
             self.planner.cost = calibrate(self._idle_step, self.topo, self.device, groups.world_cpu)
 
-    def _kv_capacity(self) -> int:
-        if self.cfg.max_total_tokens is not None:
-            return self.cfg.max_total_tokens
-        if self.cfg.kv_cache_memory_gb is not None:
-            budget = self.cfg.kv_cache_memory_gb * 2**30
-        elif self.cfg.device == "cuda":
-            budget = torch.cuda.mem_get_info(self.device)[0] * GPU_KV_FRACTION_OF_FREE
-        else:
-            budget = CPU_DEFAULT_KV_GB * 2**30
-        tokens = int(budget // self.kv_bytes_per_token)
-        if tokens < 1:
-            raise ValueError(
-                f"a KV budget of {budget / 2**20:.1f} MiB per rank holds no token "
-                f"({self.kv_bytes_per_token} bytes per token)"
-            )
-        return tokens
+    def _kv_capacity(self, shapes: list[tuple[int, ...]]) -> int:
+        """This rank's pool size from dpserve.memory (the planner predicts it with the same calls)."""
+        cfg = self.cfg
+        total = 0
+        budget_from_memory = cfg.max_total_tokens is None and cfg.kv_cache_memory_gb is None
+        if cfg.device == "cuda" and budget_from_memory:
+            self.activation_bytes = self._measure_activation_peak(shapes)
+            total = torch.cuda.mem_get_info(self.device)[1]
+        budget = kv_budget_bytes(
+            cfg.device,
+            cfg.kv_cache_memory_gb,
+            cfg.mem_fraction_static,
+            total,
+            self.weight_bytes,
+            self.activation_bytes,
+        )
+        if cfg.device == "cuda" and budget_from_memory:
+            # Never more than is free now (another process may hold part of the device).
+            free = torch.cuda.mem_get_info(self.device)[0]
+            budget = min(budget, free - self.activation_bytes)
+        return kv_pool_tokens(budget, self.kv_bytes_per_token, cfg.max_total_tokens)
+
+    def _measure_activation_peak(self, shapes: list[tuple[int, ...]]) -> int:
+        """Peak memory of a warm-up prefill of the largest chunk in every DP group (all ranks
+        together: the forward joins every WORLD collective), on a temporary pool."""
+        n = min(self.cfg.chunked_prefill_size, self.model_cfg.context_len)
+        pool = KVPool(self.model_cfg.num_layers, n, shapes, self.dtype, self.device)
+        plan = StepPlan(
+            "extend", [ReqStep(row=1, start=0, tokens=[0] * n, slots=list(range(1, n + 1)), sample=True)]
+        )
+        topo = self.topo
+        step = DPStep("sum_len", (n,) * topo.dp_size, (1,) * topo.dp_size, topo.dp_rank, topo.attn_tp_size)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        self.model.forward(self._batch(plan, step), pool)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        self.req_to_token.zero_()
+        del pool
+        torch.cuda.empty_cache()
+        return int(peak)
 
     def can_use_graph(self, plan: StepPlan) -> bool:
         """Whether this group's batch fits a padded decode graph (decode or idle, KV short enough)."""

@@ -124,6 +124,8 @@ def _serve(rank: int, cfg: EngineConfig, addrs: WorkerAddresses, ctx: zmq.Contex
             "dp_rank": dp_rank,
             "max_total_num_tokens": runner.max_total_num_tokens,
             "kv_bytes_per_token": runner.kv_bytes_per_token,
+            "weight_bytes": runner.weight_bytes,
+            "activation_bytes": runner.activation_bytes,
             "stats": {**scheduler.stats(), **steps} if scheduler else {},
         }
     )

@@ -5,8 +5,6 @@ Slot 0 is never handed out: padded rows write there, so they never touch a real 
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 
@@ -27,8 +25,9 @@ class KVPool:
 
     @staticmethod
     def bytes_per_token(num_layers: int, entry_shapes: list[tuple[int, ...]], dtype: torch.dtype) -> int:
-        per_layer = sum(math.prod(s) for s in entry_shapes)
-        return num_layers * per_layer * torch.empty(0, dtype=dtype).element_size()
+        from dpserve.memory import kv_bytes_per_token
+
+        return kv_bytes_per_token(num_layers, entry_shapes, dtype)
 
     def write(self, layer: int, slots: torch.Tensor, *values: torch.Tensor) -> None:
         for buf, val in zip(self.layers[layer], values, strict=True):

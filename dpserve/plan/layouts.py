@@ -1,0 +1,218 @@
+"""Layouts the engine can take on a number of GPUs, and their memory figures computed by the
+engine's own code: EngineConfig and ModelConfig.validate decide validity (their ValueError is the
+reason shown), `build_model` on the meta device gives the weights per rank, `KVPool.bytes_per_token`
+the KV bytes per token, and dpserve.memory the pool size, exactly as a started engine computes them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from dpserve.config import EngineConfig
+from dpserve.distributed import Groups
+from dpserve.engine.model_runner import DTYPES
+from dpserve.kvcache.pool import KVPool
+from dpserve.layers.mlp import MLP, MoE
+from dpserve.memory import (
+    activation_peak_estimate,
+    kv_budget_bytes,
+    kv_pool_tokens,
+    param_bytes,
+)
+from dpserve.models.config import ModelConfig
+from dpserve.models.registry import build_model
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int
+    dp: int
+    dp_attention: bool
+
+    @property
+    def name(self) -> str:
+        if self.dp_attention:
+            return f"tp{self.tp} dp{self.dp} dp-attn"
+        return f"tp{self.tp}" + (f" x{self.dp} replicas" if self.dp > 1 else "")
+
+    @property
+    def flags(self) -> str:
+        return f"--tp {self.tp} --dp {self.dp}" + (" --enable-dp-attention" if self.dp_attention else "")
+
+    @property
+    def num_gpus(self) -> int:
+        return self.tp * (1 if self.dp_attention else self.dp)
+
+
+def enumerate_layouts(num_gpus: int) -> list[Layout]:
+    """Plain TP over divisors of num_gpus with replicas filling the rest, and DP attention over all
+    GPUs for every dp in 2..num_gpus (those not dividing tp come out invalid)."""
+    divisors = [t for t in range(1, num_gpus + 1) if num_gpus % t == 0]
+    plain = [Layout(t, num_gpus // t, False) for t in reversed(divisors)]
+    return plain + [Layout(num_gpus, d, True) for d in range(2, num_gpus + 1)]
+
+
+@dataclass
+class Components:
+    """Bytes and element counts of one rank's weights, split the way a step reads them."""
+
+    attn_bytes: int = 0  # attention weights of all layers
+    dense_mlp_bytes: int = 0  # dense MLP layers and shared experts
+    expert_bytes: int = 0  # one routed expert's local shard (w13 + w2), per MoE layer
+    num_experts: int = 0
+    top_k: int = 0
+    moe_layers: int = 0
+    gate_bytes: int = 0  # router weights of all MoE layers (float32)
+    head_bytes: int = 0  # LM head shard
+    embed_bytes: int = 0
+    attn_params: int = 0  # elements, for FLOPs
+    dense_mlp_params: int = 0
+    expert_params: int = 0
+    gate_params: int = 0
+    head_params: int = 0
+
+
+def components(model) -> Components:
+    c = Components(
+        head_bytes=param_bytes_of([model.lm_head]), embed_bytes=param_bytes_of([model.embed_tokens.weight])
+    )
+    c.head_params = model.lm_head.numel()
+    for layer in model.layers:
+        attn = [p for p in layer.self_attn.parameters()]
+        c.attn_bytes += param_bytes_of(attn)
+        c.attn_params += sum(p.numel() for p in attn)
+        mlp = layer.mlp
+        if isinstance(mlp, MoE):
+            c.moe_layers += 1
+            c.num_experts, c.top_k = mlp.w13.shape[0], mlp.top_k
+            c.expert_params = mlp.w13[0].numel() + mlp.w2[0].numel()
+            c.expert_bytes = c.expert_params * mlp.w13.element_size()
+            gate = [mlp.gate] + ([mlp.correction_bias] if mlp.correction_bias is not None else [])
+            c.gate_bytes += param_bytes_of(gate)
+            c.gate_params += mlp.gate.numel()
+            if mlp.shared_experts is not None:
+                c.dense_mlp_bytes += param_bytes(mlp.shared_experts)
+                c.dense_mlp_params += sum(p.numel() for p in mlp.shared_experts.parameters())
+        elif isinstance(mlp, MLP):
+            c.dense_mlp_bytes += param_bytes(mlp)
+            c.dense_mlp_params += sum(p.numel() for p in mlp.parameters())
+    return c
+
+
+def param_bytes_of(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@dataclass
+class LayoutMemory:
+    layout: Layout
+    cfg: EngineConfig | None = None
+    error: str | None = None  # the engine's reason the layout is invalid, or why it does not fit
+    fits: bool = True
+    weight_bytes: int = 0  # per rank: parameters and buffers, as the engine reports
+    kv_bytes_per_token: int = 0  # per rank
+    activation_bytes: int = 0  # the planner's estimate on GPU (the engine measures it); 0 on CPU
+    kv_budget_bytes: int = 0
+    kv_tokens_per_group: int = 0
+    groups: int = 0  # DP groups over all GPUs (DP attention groups, or replicas)
+    comp: Components = field(default_factory=Components)
+
+    @property
+    def valid(self) -> bool:
+        return self.error is None
+
+    @property
+    def kv_tokens_total(self) -> int:
+        return self.kv_tokens_per_group * self.groups
+
+
+def engine_config(layout: Layout, model_path: str, device: str, engine_kwargs: dict) -> EngineConfig:
+    return EngineConfig(
+        model_path=model_path,
+        tp_size=layout.tp,
+        dp_size=layout.dp,
+        enable_dp_attention=layout.dp_attention,
+        device=device,
+        **engine_kwargs,
+    )
+
+
+_MODEL_CACHE: dict = {}
+
+
+def meta_model(model_cfg: ModelConfig, cfg: EngineConfig, rank: int = 0):
+    """The engine's model of global rank `rank`, built on the meta device (no memory, no weights)."""
+    _, topo = cfg.rank_topology(rank)
+    key = (id(model_cfg), topo, cfg.dtype)
+    if key not in _MODEL_CACHE:
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(DTYPES[cfg.dtype])
+        try:
+            with torch.device("meta"):
+                _MODEL_CACHE[key] = build_model(model_cfg, Groups(topo, None, None, None, None))
+        finally:
+            torch.set_default_dtype(previous)
+    return _MODEL_CACHE[key]
+
+
+def layout_memory(
+    layout: Layout,
+    model_path: str,
+    model_cfg: ModelConfig,
+    device: str,
+    total_memory: int,
+    engine_kwargs: dict,
+) -> LayoutMemory:
+    """The figures a started engine would report for this layout, or the reason it cannot start."""
+    out = LayoutMemory(layout)
+    try:
+        cfg = engine_config(layout, model_path, device, engine_kwargs)
+        topo = cfg.rank_topology(0)[1]
+        model_cfg.validate(topo)
+        model = meta_model(model_cfg, cfg)
+    except ValueError as e:
+        out.error = str(e)
+        return out
+    out.cfg = cfg
+    out.groups = layout.dp
+    dtype = DTYPES[cfg.dtype]
+    out.weight_bytes = param_bytes(model)
+    out.kv_bytes_per_token = KVPool.bytes_per_token(model_cfg.num_layers, model.kv_entry_shapes(), dtype)
+    out.comp = components(model)
+    if cfg.device == "cuda" and cfg.max_total_tokens is None and cfg.kv_cache_memory_gb is None:
+        out.activation_bytes = activation_peak_estimate(
+            model_cfg.hf,
+            model_cfg.hidden_size,
+            model_cfg.num_heads // cfg.attn_tp_size,
+            cfg.tp_size,
+            cfg.dp_size if cfg.enable_dp_attention else 1,
+            min(cfg.chunked_prefill_size, model_cfg.context_len),
+            dtype,
+            model_cfg.is_mla,
+        )
+    out.kv_budget_bytes = kv_budget_bytes(
+        cfg.device,
+        cfg.kv_cache_memory_gb,
+        cfg.mem_fraction_static,
+        total_memory,
+        out.weight_bytes,
+        out.activation_bytes,
+    )
+    try:
+        out.kv_tokens_per_group = kv_pool_tokens(
+            out.kv_budget_bytes, out.kv_bytes_per_token, cfg.max_total_tokens
+        )
+    except ValueError as e:
+        out.fits = False
+        out.error = (
+            (
+                f"does not fit: weights {out.weight_bytes / 2**30:.1f} GiB + activations "
+                f"{out.activation_bytes / 2**30:.1f} GiB per rank leave no KV room in "
+                f"{total_memory * cfg.mem_fraction_static / 2**30:.1f} GiB (total x mem_fraction_static)"
+            )
+            if cfg.device == "cuda"
+            else str(e)
+        )
+    return out

@@ -1,0 +1,32 @@
+"""The model the planner plans for: a bundled config by name, a Hugging Face directory, or a config.json.
+
+Bundled configs (`configs/<name>/config.json`) are written from the published architecture numbers
+of each model's Hugging Face config.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dpserve.models.config import ModelConfig
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+BUNDLED = ("deepseek-v2-lite", "deepseek-v2", "deepseek-v3", "deepseek-coder-v2-lite", "smollm2-135m")
+
+
+def resolve(model: str) -> str:
+    """A directory holding config.json for `model` (a bundled name, a directory, a config.json file,
+    or anything the engine's --model-path takes, such as smollm2-135m-instruct)."""
+    if model in BUNDLED:
+        return str(CONFIG_DIR / model)
+    path = Path(model)
+    if path.is_file() and path.suffix == ".json":
+        return str(path.parent)
+    from dpserve.models.gguf import resolve_model_path
+
+    return resolve_model_path(model)
+
+
+def load(model: str) -> tuple[str, ModelConfig]:
+    path = resolve(model)
+    return path, ModelConfig.load(path)

@@ -1,0 +1,322 @@
+"""Per layout: memory figures (from the engine's code, layouts.py) and predicted step times.
+
+Decode step time of one rank (all ranks step in lockstep) at a global batch of B requests:
+
+    sum over parts (attention, MLP/MoE, LM head) of max(bytes / bandwidth, FLOPs / FLOP rate)
+    + DP-attention collectives per layer, alpha-beta (all-reduce for sum_len; reduce-scatter and
+      all-gather for max_len), with the padding mode `auto` would pick (the cheaper)
+    + fixed costs (kernel launches per layer on GPU; eager op dispatch on the CPU; host work per step)
+
+Bytes: attention weights, the routed experts the step touches (E * (1 - (1 - k/E)^rows) with the
+sparse per-expert path the engine runs eagerly; all E with the dense path it captures in CUDA
+graphs), dense MLP and shared experts, the KV cache read. Rows: the padded rows each mode makes
+(design section 4): sum_len bucket(S) rows; max_len dp * round_up(bucket(max n_g), A).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass, field
+
+from dpserve.layers.dp_attention import round_up
+from dpserve.memory import dtype_bytes
+from dpserve.models.config import ModelConfig
+from dpserve.plan.layouts import Layout, LayoutMemory, enumerate_layouts, layout_memory
+from dpserve.plan.profiles import DeviceProfile
+
+# Eager ops per step on the CPU (counted with a TorchDispatchMode on the engine's forward of the tiny
+# models): fixed per step, per layer by part, per routed expert the sparse path visits.
+OPS_STEP = 60
+OPS_MLA, OPS_GQA, OPS_MLP, OPS_MOE, OPS_EXPERT, OPS_LAYER = 110, 52, 6, 30, 12, 22
+
+
+@dataclass
+class Workload:
+    input_len: int = 1024
+    output_len: int = 256
+    concurrency: int | None = None  # requests in flight over all GPUs
+    request_rate: float | None = None  # requests/s (concurrency from Little's law)
+    tpot_ms: float | None = None  # target time per output token
+    batch_sizes: list[int] | None = None  # decode batches (over all GPUs) to predict
+
+
+@dataclass
+class StepTime:
+    batch: int  # requests over all GPUs
+    seconds: float
+    mode: str  # padding mode auto picks (sum_len with one group)
+    mlp_rows: int  # rows the MoE/MLP processes (with padding)
+    parts: dict = field(default_factory=dict)  # seconds by part
+
+    @property
+    def throughput(self) -> float:
+        return self.batch / self.seconds
+
+
+@dataclass
+class LayoutPlan:
+    mem: LayoutMemory
+    max_concurrency: int = 0  # requests that fit over all GPUs (KV and --max-running-requests)
+    decode: list[StepTime] = field(default_factory=list)
+    prefill_chunk_s: float = 0.0  # one prefill step of chunked_prefill_size tokens in every group
+    prefill_chunk_tokens: int = 0
+    at_concurrency: StepTime | None = None  # the workload's concurrency (or the most that fits)
+    best_under_tpot: StepTime | None = None
+
+    @property
+    def layout(self) -> Layout:
+        return self.mem.layout
+
+
+def _bucket(buckets: list[int], n: int) -> int | None:
+    i = bisect.bisect_left(buckets, n)
+    return buckets[i] if i < len(buckets) else None
+
+
+class StepModel:
+    def __init__(
+        self, mem: LayoutMemory, model_cfg: ModelConfig, prof: DeviceProfile, nnodes: int, moe_kernel: str
+    ):
+        self.mem, self.m, self.p = mem, model_cfg, prof
+        cfg = mem.cfg
+        self.cfg = cfg
+        self.T, self.A = cfg.tp_size, cfg.attn_tp_size
+        self.G = cfg.dp_size if cfg.enable_dp_attention else 1  # groups in one instance
+        self.e = dtype_bytes(_torch_dtype(cfg.dtype))
+        self.ranks_per_node = mem.layout.num_gpus // nnodes
+        self.world_spans = self.ranks_per_node < self.T
+        self.attn_spans = self.ranks_per_node < self.A
+        self.buckets = cfg.graph_buckets
+        self.graphs = bool(self.buckets)
+        self.moe_kernel = moe_kernel  # engine: dense fixed-shape experts in CUDA graphs, sparse when eager
+        r, c = self.ranks_per_node, max(prof.cores, 1)
+        self.op_s = prof.op_overhead
+        self.alpha = {}
+        if prof.is_cpu:
+            threads = max(1, c // r)
+            by_threads = prof.measured.get("op_s_by_threads", {})
+            self.op_s = by_threads.get(str(threads), prof.op_overhead)
+            # gloo latency per ring step measured with this many processes on the machine
+            for w, g in prof.measured.get("gloo_by_world", {}).items():
+                self.alpha[int(w)] = g["alpha"]
+            self.compute_share = threads / c if r <= c else 1 / r
+            self.bw_share = 1 / min(r, c)
+            self.oversub = max(1.0, r / c)
+        else:
+            self.compute_share = self.bw_share = self.oversub = 1.0
+
+    # --- collectives ---------------------------------------------------------------------------
+    def _coll(self, kind: str, nbytes: float, ranks: int, spans: bool) -> float:
+        if ranks <= 1 or nbytes <= 0:
+            return 0.0
+        p = self.p
+        alpha, bw = (p.inter_alpha, p.inter_bw) if spans else (p.intra_alpha, p.intra_bw)
+        steps = 2 * (ranks - 1) if kind == "all_reduce" else ranks - 1
+        if p.is_cpu:
+            # measured at the node's process count (contention included), else scaled from 2 processes
+            measured = self.alpha.get(self.ranks_per_node)
+            latency = steps * (measured if measured is not None else alpha * self.oversub)
+        else:
+            latency = alpha * (2 if kind == "all_reduce" else 1)
+        return latency + steps / ranks * nbytes / bw
+
+    # --- one step --------------------------------------------------------------------------------
+    def step(
+        self,
+        local_rows: int,
+        mlp_rows: int,
+        real_local: int,
+        ctx: float,
+        sampled: int,
+        mode: str,
+        graphed: bool = False,
+    ) -> dict:
+        """Seconds by part for one step: `local_rows` per group (padded), `mlp_rows` in the MoE/MLP,
+        `real_local` real requests per group reading `ctx` KV tokens each."""
+        m, c, p, e = self.m, self.mem.comp, self.p, self.e
+        flops = p.flops * p.flop_eff * self.compute_share
+        bw = p.mem_bw * p.mem_eff * self.bw_share
+        L, H = m.num_layers, m.hidden_size
+        heads = m.num_heads // self.A
+        hf = m.hf
+        # attention: weights, KV read, projections and the attention core
+        kv_rows = local_rows if p.is_cpu else real_local  # the sdpa grid gathers max_seq_len for every row
+        kv_factor = 3 if p.is_cpu else 1  # sdpa: gather (read + write) then attend
+        kv_bytes = kv_rows * ctx * self.mem.kv_bytes_per_token * kv_factor
+        if m.is_mla:
+            core = 2 * heads * ctx * (2 * (hf.kv_lora_rank + hf.qk_rope_head_dim)) * L
+        else:
+            hd = getattr(hf, "head_dim", None) or H // m.num_heads
+            core = 4 * heads * ctx * hd * L
+        attn_flops = 2 * c.attn_params * local_rows + core * kv_rows
+        t_attn = max((c.attn_bytes + kv_bytes) / bw, attn_flops / flops)
+        # MLP / MoE on the gathered rows
+        if c.moe_layers:
+            dense = self.moe_kernel == "dense" or (
+                self.moe_kernel == "engine" and graphed and self.cfg.device == "cuda"
+            )
+            if dense:
+                touched, active = c.num_experts, c.num_experts
+            else:
+                touched = c.num_experts * (1 - (1 - c.top_k / c.num_experts) ** mlp_rows)
+                active = c.top_k
+        else:
+            touched = active = 0
+        mlp_bytes = c.dense_mlp_bytes + c.gate_bytes + touched * c.expert_bytes * c.moe_layers
+        mlp_flops = (
+            2 * mlp_rows * (c.dense_mlp_params + c.gate_params + active * c.expert_params * c.moe_layers)
+        )
+        t_mlp = max(mlp_bytes / bw, mlp_flops / flops)
+        t_head = max(c.head_bytes / bw, 2 * sampled * c.head_params / flops)
+        # collectives: gather and scatter every layer, then the LM head's logits
+        if mode == "sum_len":
+            t_coll = 2 * L * self._coll("all_reduce", mlp_rows * H * e, self.T, self.world_spans)
+        else:
+            M = local_rows
+            per_layer = (
+                self._coll("reduce_scatter", M * H * e, self.A, self.attn_spans)
+                + self._coll("all_gather", self.G * M * H * e, self.T, self.world_spans)
+                + self._coll("reduce_scatter", self.G * M * H * e, self.T, self.world_spans)
+                + self._coll("all_gather", M * H * e, self.A, self.attn_spans)
+            )
+            t_coll = L * per_layer
+        vocab_shard = c.head_params // max(H, 1)
+        t_coll += self._coll(
+            "all_gather", sampled * self.G * vocab_shard * self.T * 4, self.T, self.world_spans
+        )
+        if self.G > 1:
+            t_coll += self._coll("all_gather", sampled * self.G * H * e, self.T, self.world_spans)
+        # fixed costs
+        fixed = p.step_overhead + p.layer_overhead * L
+        if p.is_cpu:
+            ops = OPS_STEP + L * OPS_LAYER
+            for layer_is_moe in self._layer_kinds():
+                ops += OPS_MLA if m.is_mla else OPS_GQA
+                if layer_is_moe:
+                    visited = c.num_experts * (1 - (1 - c.top_k / c.num_experts) ** mlp_rows)
+                    ops += OPS_MOE + OPS_EXPERT * visited
+                else:
+                    ops += OPS_MLP
+            fixed += ops * self.op_s * self.oversub
+        return {"attention": t_attn, "mlp": t_mlp, "lm_head": t_head, "collectives": t_coll, "fixed": fixed}
+
+    def _layer_kinds(self) -> list[bool]:
+        c = self.mem.comp
+        return [True] * c.moe_layers + [False] * (self.m.num_layers - c.moe_layers)
+
+    def decode(self, batch: int, ctx: float) -> StepTime:
+        """A decode step with `batch` requests spread evenly over all groups of all instances."""
+        groups_total = self.mem.groups
+        G, A = self.G, self.A
+        b = math.ceil(batch / groups_total)  # requests of the busiest group
+        per_instance = math.ceil(batch / (groups_total // G))  # S: real rows of one instance
+        options = []
+        modes = ("sum_len", "max_len") if G > 1 and self.cfg.dp_padding_mode == "auto" else None
+        if modes is None:
+            modes = (self.cfg.dp_padding_mode if G > 1 else "sum_len",)
+        for mode in modes:
+            if mode == "sum_len":
+                s = per_instance
+                bucket = _bucket(self.buckets, s) if self.graphs else None
+                rows = bucket or s
+                local = bucket or b
+            else:
+                bucket = _bucket(sorted({round_up(x, A) for x in self.buckets}), b) if self.graphs else None
+                local = bucket or round_up(b, A)
+                rows = G * local
+            parts = self.step(local, rows, b, ctx, b, mode, graphed=bucket is not None)
+            options.append(StepTime(batch, sum(parts.values()), mode, rows, parts))
+        return min(options, key=lambda s: s.seconds)
+
+    def prefill_chunk(self, tokens: int) -> float:
+        """One prefill step of `tokens` new tokens in every group (eager, sum_len)."""
+        parts = self.step(tokens, tokens * self.G, tokens, tokens / 2, 1, "sum_len")
+        return sum(parts.values())
+
+
+def _torch_dtype(name: str):
+    from dpserve.engine.model_runner import DTYPES
+
+    return DTYPES[name]
+
+
+def default_batches(max_concurrency: int) -> list[int]:
+    out, b = [], 1
+    while b < max_concurrency:
+        out.append(b)
+        b *= 2
+    return [*out, max_concurrency] if max_concurrency > 0 else []
+
+
+def plan_layout(
+    mem: LayoutMemory, model_cfg: ModelConfig, prof: DeviceProfile, wl: Workload, nnodes: int, moe_kernel: str
+) -> LayoutPlan:
+    plan = LayoutPlan(mem)
+    if not mem.valid:
+        return plan
+    cfg = mem.cfg
+    per_request = wl.input_len + wl.output_len
+    per_group = min(cfg.max_running_requests, mem.kv_tokens_per_group // per_request)
+    plan.max_concurrency = per_group * mem.groups
+    sm = StepModel(mem, model_cfg, prof, nnodes, moe_kernel)
+    ctx = wl.input_len + wl.output_len / 2
+    batches = wl.batch_sizes or default_batches(plan.max_concurrency)
+    plan.decode = [sm.decode(b, ctx) for b in batches if b <= max(plan.max_concurrency, 1)]
+    plan.prefill_chunk_tokens = min(cfg.chunked_prefill_size, wl.input_len)
+    plan.prefill_chunk_s = sm.prefill_chunk(plan.prefill_chunk_tokens)
+    if plan.max_concurrency:
+        conc = plan.max_concurrency
+        if wl.concurrency:
+            conc = min(wl.concurrency, conc)
+        elif wl.request_rate:
+            prefill_s = plan.prefill_chunk_s * math.ceil(wl.input_len / plan.prefill_chunk_tokens)
+            c = 1.0
+            for _ in range(50):  # Little's law: in flight = rate x (prefill + decode time)
+                c = wl.request_rate * (prefill_s + wl.output_len * sm.decode(max(1, round(c)), ctx).seconds)
+                c = min(c, conc)
+            conc = max(1, round(c))
+        plan.at_concurrency = sm.decode(conc, ctx)
+        if wl.tpot_ms:
+            ok = [sm.decode(b, ctx) for b in default_batches(plan.max_concurrency)]
+            ok = [s for s in ok if s.seconds * 1e3 <= wl.tpot_ms]
+            plan.best_under_tpot = max(ok, key=lambda s: s.throughput) if ok else None
+    return plan
+
+
+@dataclass
+class Plan:
+    model: str
+    model_path: str
+    model_cfg: ModelConfig
+    profile: DeviceProfile
+    num_gpus: int
+    nnodes: int
+    workload: Workload
+    layouts: list[LayoutPlan]
+    engine_kwargs: dict
+
+
+def make_plan(
+    model: str,
+    profile: DeviceProfile,
+    num_gpus: int,
+    workload: Workload,
+    engine_kwargs: dict,
+    nnodes: int = 1,
+    gpu_memory_bytes: int | None = None,
+    layouts: list[Layout] | None = None,
+    moe_kernel: str = "engine",
+) -> Plan:
+    from dpserve.plan.model import load
+
+    path, model_cfg = load(model)
+    total = gpu_memory_bytes or profile.memory_bytes
+    kwargs = dict(engine_kwargs, nnodes=nnodes)
+    if nnodes > 1:
+        kwargs.setdefault("dist_init_addr", "node0:29500")
+    plans = []
+    for layout in layouts or enumerate_layouts(num_gpus):
+        mem = layout_memory(layout, path, model_cfg, profile.device, total, kwargs)
+        plans.append(plan_layout(mem, model_cfg, profile, workload, nnodes, moe_kernel))
+    return Plan(model, path, model_cfg, profile, num_gpus, nnodes, workload, plans, engine_kwargs)

@@ -1,0 +1,252 @@
+"""The planner's outputs: a table (rich, plain or markdown), recommendations, --json, --plot.
+
+JSON schema `dpserve.plan/1` (stable; docs/tuning.md's tables use these fields):
+
+    schema, model, model_path, arch, num_gpus, nnodes
+    profile: name, device, source, memory_bytes, mem_bw, flops, intra_bw, intra_alpha, inter_bw, inter_alpha
+    workload: input_len, output_len, concurrency, request_rate, tpot_ms
+    layouts[]: name, flags, tp, dp, dp_attention, attn_tp, valid, fits, reason (null when it runs),
+        weight_bytes_per_rank, kv_bytes_per_token, activation_bytes, kv_budget_bytes,
+        kv_tokens_per_group, groups, kv_tokens_total, max_concurrency,
+        prefill_chunk_tokens, prefill_chunk_ms,
+        decode[]: batch, step_ms, tokens_per_s, padding_mode, mlp_rows, parts_ms{attention, mlp, lm_head,
+                  collectives, fixed}
+        at_concurrency, best_under_tpot: a decode entry or null
+    recommendations: lowest_latency, highest_throughput, most_kv: {name, flags, why} or null
+"""
+
+from __future__ import annotations
+
+import json
+
+from dpserve.plan.planner import LayoutPlan, Plan, StepTime
+
+SCHEMA = "dpserve.plan/1"
+GiB = 2**30
+
+
+def _step(s: StepTime | None) -> dict | None:
+    if s is None:
+        return None
+    return {
+        "batch": s.batch,
+        "step_ms": round(s.seconds * 1e3, 4),
+        "tokens_per_s": round(s.throughput, 2),
+        "padding_mode": s.mode,
+        "mlp_rows": s.mlp_rows,
+        "parts_ms": {k: round(v * 1e3, 4) for k, v in s.parts.items()},
+    }
+
+
+def _runs(lp: LayoutPlan) -> bool:
+    return lp.mem.valid and lp.max_concurrency > 0
+
+
+def recommendations(plan: Plan) -> dict:
+    ok = [lp for lp in plan.layouts if _runs(lp)]
+
+    def entry(lp: LayoutPlan | None, why: str) -> dict | None:
+        return None if lp is None else {"name": lp.layout.name, "flags": lp.layout.flags, "why": why}
+
+    if not ok:
+        return {"lowest_latency": None, "highest_throughput": None, "most_kv": None}
+    lat = min(ok, key=lambda lp: lp.decode[0].seconds)
+    rec = {"lowest_latency": entry(lat, f"{lat.decode[0].seconds * 1e3:.2f} ms per decode step at batch 1")}
+    if plan.workload.tpot_ms:
+        cands = [lp for lp in ok if lp.best_under_tpot is not None]
+        best = max(cands, key=lambda lp: lp.best_under_tpot.throughput, default=None)
+        why = (
+            f"{best.best_under_tpot.throughput:.0f} tok/s at batch {best.best_under_tpot.batch} within "
+            f"TPOT {plan.workload.tpot_ms:g} ms"
+            if best
+            else ""
+        )
+    else:
+        best = max(ok, key=lambda lp: lp.at_concurrency.throughput)
+        why = f"{best.at_concurrency.throughput:.0f} tok/s at concurrency {best.at_concurrency.batch}"
+    rec["highest_throughput"] = entry(best, why)
+    kv = max(ok, key=lambda lp: (lp.mem.kv_tokens_total, -lp.decode[0].seconds))
+    rec["most_kv"] = entry(kv, f"{kv.mem.kv_tokens_total} KV tokens over all GPUs")
+    return rec
+
+
+def to_json(plan: Plan) -> dict:
+    p = plan.profile
+    out = {
+        "schema": SCHEMA,
+        "model": plan.model,
+        "model_path": plan.model_path,
+        "arch": plan.model_cfg.arch,
+        "num_gpus": plan.num_gpus,
+        "nnodes": plan.nnodes,
+        "profile": {
+            k: getattr(p, k)
+            for k in (
+                "name",
+                "device",
+                "source",
+                "memory_bytes",
+                "mem_bw",
+                "flops",
+                "intra_bw",
+                "intra_alpha",
+            )
+        }
+        | {"inter_bw": p.inter_bw, "inter_alpha": p.inter_alpha},
+        "workload": {
+            k: getattr(plan.workload, k)
+            for k in ("input_len", "output_len", "concurrency", "request_rate", "tpot_ms")
+        },
+        "layouts": [],
+        "recommendations": recommendations(plan),
+    }
+    for lp in plan.layouts:
+        m, lay = lp.mem, lp.layout
+        out["layouts"].append(
+            {
+                "name": lay.name,
+                "flags": lay.flags,
+                "tp": lay.tp,
+                "dp": lay.dp,
+                "dp_attention": lay.dp_attention,
+                "attn_tp": lay.tp // lay.dp if lay.dp_attention else lay.tp,
+                "valid": m.cfg is not None,
+                "fits": m.valid,
+                "reason": m.error,
+                "weight_bytes_per_rank": m.weight_bytes,
+                "kv_bytes_per_token": m.kv_bytes_per_token,
+                "activation_bytes": m.activation_bytes,
+                "kv_budget_bytes": m.kv_budget_bytes,
+                "kv_tokens_per_group": m.kv_tokens_per_group,
+                "groups": m.groups,
+                "kv_tokens_total": m.kv_tokens_total,
+                "max_concurrency": lp.max_concurrency,
+                "prefill_chunk_tokens": lp.prefill_chunk_tokens,
+                "prefill_chunk_ms": round(lp.prefill_chunk_s * 1e3, 4),
+                "decode": [_step(s) for s in lp.decode],
+                "at_concurrency": _step(lp.at_concurrency),
+                "best_under_tpot": _step(lp.best_under_tpot),
+            }
+        )
+    return out
+
+
+HEADERS = (
+    "layout",
+    "weights/rank GiB",
+    "KV B/token/rank",
+    "KV tokens/group",
+    "KV tokens total",
+    "max conc",
+    "step ms @1",
+    "step ms @conc",
+    "tok/s @conc",
+    "mode @conc",
+    "prefill chunk ms",
+)
+
+
+def rows(plan: Plan) -> tuple[list[list[str]], list[tuple[str, str]]]:
+    table, invalid = [], []
+    for lp in plan.layouts:
+        m = lp.mem
+        if m.cfg is None:
+            invalid.append((lp.layout.name, m.error))
+            continue
+        if not _runs(lp):
+            invalid.append((lp.layout.name, m.error or "no request of this workload fits the KV pool"))
+            continue
+        c = lp.at_concurrency
+        table.append(
+            [
+                lp.layout.name,
+                f"{m.weight_bytes / GiB:.2f}",
+                f"{m.kv_bytes_per_token}",
+                f"{m.kv_tokens_per_group}",
+                f"{m.kv_tokens_total}",
+                f"{lp.max_concurrency}",
+                f"{lp.decode[0].seconds * 1e3:.2f}",
+                f"{c.seconds * 1e3:.2f} (b={c.batch})",
+                f"{c.throughput:.0f}",
+                c.mode,
+                f"{lp.prefill_chunk_s * 1e3:.1f}",
+            ]
+        )
+    return table, invalid
+
+
+def header_line(plan: Plan) -> str:
+    wl = plan.workload
+    return (
+        f"{plan.model} ({plan.model_cfg.arch}) on {plan.num_gpus} x {plan.profile.name} ({plan.nnodes} node(s)); "
+        f"input {wl.input_len}, output {wl.output_len} tokens"
+        + (f", concurrency {wl.concurrency}" if wl.concurrency else "")
+        + (f", {wl.request_rate:g} req/s" if wl.request_rate else "")
+        + (f", TPOT target {wl.tpot_ms:g} ms" if wl.tpot_ms else "")
+    )
+
+
+def render_markdown(plan: Plan) -> str:
+    table, invalid = rows(plan)
+    lines = [header_line(plan), "", "| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
+    lines += ["| " + " | ".join(r) + " |" for r in table]
+    if invalid:
+        lines += ["", "Not possible:", ""] + [f"- `{n}`: {why}" for n, why in invalid]
+    lines += ["", "Recommendations:", ""]
+    for k, v in recommendations(plan).items():
+        lines.append(f"- {k}: " + (f"`{v['flags']}` ({v['name']}): {v['why']}" if v else "none"))
+    return "\n".join(lines)
+
+
+def render_text(plan: Plan, use_rich: bool = True) -> str:
+    if not use_rich:
+        return render_markdown(plan)
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        return render_markdown(plan)
+    table, invalid = rows(plan)
+    t = Table(title=header_line(plan))
+    for h in HEADERS:
+        t.add_column(h, justify="left" if h == "layout" else "right")
+    for r in table:
+        t.add_row(*r)
+    console = Console(width=200, record=True)
+    with console.capture() as cap:
+        console.print(t)
+        for n, why in invalid:
+            console.print(f"[dim]not possible: {n}: {why}[/dim]", highlight=False)
+        for k, v in recommendations(plan).items():
+            text = f"{v['flags']} ({v['name']}): {v['why']}" if v else "none"
+            console.print(f"[bold]{k}[/bold]: {text}", highlight=False)
+    return cap.get()
+
+
+def plot(plan: Plan, path: str) -> None:
+    """Latency (ms per output token) against output throughput, one line per layout."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for lp in plan.layouts:
+        if not _runs(lp) or not lp.decode:
+            continue
+        xs = [s.throughput for s in lp.decode]
+        ys = [s.seconds * 1e3 for s in lp.decode]
+        ax.plot(xs, ys, marker="o", label=lp.layout.name)
+    ax.set_xscale("log")
+    ax.set_xlabel("output tokens/s (all GPUs)")
+    ax.set_ylabel("decode step = TPOT (ms)")
+    ax.set_title(header_line(plan), fontsize=8)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def dumps(plan: Plan) -> str:
+    return json.dumps(to_json(plan), indent=1)
