@@ -103,6 +103,18 @@ def reduce_scatter(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Te
     return out
 
 
+def all_to_all(
+    x: torch.Tensor, in_splits: list[int], out_splits: list[int], group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """Sends rows of `x` (in_splits[j] of them, in order) to each rank j; returns the rows received,
+    out_splits[i] from each rank i, in rank order."""
+    if group is None:
+        return x
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+    return out
+
+
 def broadcast_object(obj: object, src: int, group: dist.ProcessGroup | None) -> object:
     """Sends a picklable object from global rank `src` to every rank of `group`."""
     if group is None:

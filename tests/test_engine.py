@@ -83,6 +83,9 @@ def test_continuous_batching(engine_cache, model_dirs, prompts, references):
     assert_matches_reference(late_out, references["deepseek_v3"][1:4])
     log = engine.get_step_log()[0]
     assert any(s.local_mode == "decode" and s.tokens[0] >= 2 for s in log), "late requests never joined"
+    # Host work per decode step follows the batch, not the contexts: one table entry per request.
+    decode = [s for s in log if s.local_mode == "decode"]
+    assert decode and all(s.slots_written == s.tokens[0] for s in decode)
 
 
 def test_sampling(engine_cache, model_dirs, prompts):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
 import subprocess
 import sys
 
@@ -91,3 +93,14 @@ def test_launch_server_rejects_bad_flags_and_shapes(model_dirs, flags, message):
     cmd = [sys.executable, "-m", "dpserve.launch_server", "--model-path", model_dirs["deepseek_v2"], *flags]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+def test_quantized_checkpoint_is_refused(model_dirs, tmp_path):
+    """DeepSeek-V3's official FP8 weights carry a quantization_config: refused at start-up, naming it."""
+    quantized = tmp_path / "fp8"
+    shutil.copytree(model_dirs["deepseek_v3"], quantized)
+    config = json.loads((quantized / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (quantized / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=re.escape("quant_method='fp8' is not supported")):
+        Engine(model_path=str(quantized), device="cpu")

@@ -60,6 +60,7 @@ class ModelRunner:
             cfg.max_running_requests + 1, model_cfg.context_len, dtype=torch.int32, device=self.device
         )
         self.activation_bytes = 0
+        self.slots_written = 0  # request-to-slot entries the last step wrote
         local_tokens = self._kv_capacity(shapes)
         # Every rank of the instance takes the smallest pool, so the ranks of a group hold the same.
         self.max_total_num_tokens = agree_min(local_tokens, groups.world_cpu)
@@ -159,6 +160,7 @@ class ModelRunner:
             rows += [r.row] * (len(r.prefix) + len(r.slots))
             cols += range(r.start - len(r.prefix), r.seq_len)
             slots += r.prefix + r.slots
+        self.slots_written = len(slots)  # a decode step writes one per request, whatever the contexts
         if slots:
             self.req_to_token[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = torch.tensor(
                 slots, dtype=torch.int32, device=dev

@@ -52,6 +52,7 @@ class StepRecord:
     real_rows: int  # real tokens of all groups (the MoE rows without padding)
     graph: bool  # padded to a graph bucket (a CUDA graph replay on GPU); False: eager
     retractions: int = 0  # requests this group retracted to make room for the step
+    slots_written: int = 0  # request-to-slot table entries this group wrote (host work of the step)
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,7 @@ def _serve(rank: int, cfg: EngineConfig, addrs: WorkerAddresses, ctx: zmq.Contex
             model_cfg.eos_token_ids,
             cfg.random_seed,
             radix_cache=not cfg.disable_radix_cache,
+            device=runner.device,
         )
         requests = ctx.socket(zmq.PULL)
         requests.connect(addrs.requests[dp_rank])
@@ -182,6 +184,7 @@ def _serve(rank: int, cfg: EngineConfig, addrs: WorkerAddresses, ctx: zmq.Contex
                     real_rows=step.total_tokens,
                     graph=step.graph,
                     retractions=scheduler.step_retractions,
+                    slots_written=runner.slots_written,
                 )
             )
         if report.changed or plan.reqs:

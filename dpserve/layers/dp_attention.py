@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dpserve.distributed import Groups, all_gather, all_reduce, reduce_scatter
+from dpserve.distributed import Groups, all_gather, all_reduce, all_to_all, reduce_scatter
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -122,13 +122,23 @@ class DPAttentionComm:
         chunk = reduce_scatter(mlp_partial, self.groups.world) + kept_residual
         return all_gather(chunk, self.groups.attn_tp)[: step.local_rows]
 
-    def gather_logit_rows(self, rows: torch.Tensor, step: DPStep) -> tuple[torch.Tensor, int]:
-        """Assembles every group's rows to sample (for the WORLD vocab-parallel LM head).
-
-        Returns the global rows and this group's offset into them.
-        """
+    def gather_logit_rows(self, rows: torch.Tensor, step: DPStep) -> torch.Tensor:
+        """Assembles every group's rows to sample (for the WORLD vocab-parallel LM head)."""
         offset = sum(step.logit_rows[: step.dp_rank])
         buf = rows.new_zeros((sum(step.logit_rows), rows.shape[1]))
         if self.is_leader:
             buf[offset : offset + rows.shape[0]] = rows
-        return all_reduce(buf, self.groups.world), offset
+        return all_reduce(buf, self.groups.world)
+
+    def scatter_logits(self, shard: torch.Tensor, step: DPStep) -> torch.Tensor:
+        """From every rank's vocabulary shard of every group's rows [rows, vocab_shard], returns this
+        group's rows with the whole vocabulary [own rows, world * vocab_shard]: each rank receives
+        only what its group samples."""
+        counts, a = step.logit_rows, step.attn_tp_size
+        starts = [sum(counts[:g]) for g in range(len(counts))]
+        dests = [g for g in range(len(counts)) for _ in range(a)]  # DP group of each rank, in rank order
+        send = torch.cat([shard[starts[g] : starts[g] + counts[g]] for g in dests])
+        n = counts[step.dp_rank]
+        world = len(dests)
+        recv = all_to_all(send, [counts[g] for g in dests], [n] * world, self.groups.world)
+        return recv.view(world, n, shard.shape[1]).transpose(0, 1).reshape(n, world * shard.shape[1])

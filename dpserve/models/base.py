@@ -8,7 +8,7 @@ from torch import nn
 from tqdm import tqdm
 
 from dpserve.attention.backend import AttentionBackend
-from dpserve.distributed import Groups, all_gather
+from dpserve.distributed import Groups
 from dpserve.kvcache.pool import KVPool
 from dpserve.layers.dp_attention import DPAttentionComm
 from dpserve.layers.mlp import MLP, MoE
@@ -75,11 +75,9 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Final norm and the vocabulary-parallel LM head on the rows to sample."""
         rows = self.norm(hidden[batch.logit_idx])
-        rows, offset = self.comm.gather_logit_rows(rows, batch.step)
-        shard = F.linear(rows, self.lm_head).float()  # [rows, vocab_shard]
-        logits = all_gather(shard.t().contiguous(), self.groups.world).t()
-        n = batch.logit_idx.shape[0]
-        return logits[offset : offset + n, : self.cfg.vocab_size]
+        rows = self.comm.gather_logit_rows(rows, batch.step)
+        shard = F.linear(rows, self.lm_head).float()  # [every group's rows, vocab_shard]
+        return self.comm.scatter_logits(shard, batch.step)[:, : self.cfg.vocab_size]
 
     def load_weights(self, r: CheckpointReader, show_progress: bool) -> None:
         cfg, topo = self.cfg, self.groups.topo

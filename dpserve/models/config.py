@@ -39,6 +39,16 @@ class ModelConfig:
         arch = (hf.architectures or ["?"])[0]
         if arch not in SUPPORTED_ARCHS:
             raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHS)}")
+        quant = getattr(hf, "quantization_config", None)
+        if quant:
+            # Loading quantized tensors without their scales would serve garbage without an error.
+            method = quant.get("quant_method", "?") if isinstance(quant, dict) else type(quant).__name__
+            raise ValueError(
+                f"{model_path}: quantization_config with quant_method={method!r} is not supported; dpserve "
+                "runs unquantized checkpoints (float32, float16, bfloat16 safetensors) and GGUF files "
+                "(dequantized at load). Dequantize the checkpoint first (DeepSeek-V3's FP8 weights: "
+                "its fp8_cast_bf16.py)."
+            )
         return cls(
             hf=hf,
             arch=arch,

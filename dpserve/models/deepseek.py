@@ -26,7 +26,14 @@ class MLAAttention(nn.Module):
     attended latent is mapped out with W_UV, so keys and values are never expanded.
     """
 
-    def __init__(self, cfg: ModelConfig, topo: Topology, layer_id: int, backend: AttentionBackend):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        topo: Topology,
+        layer_id: int,
+        backend: AttentionBackend,
+        rotary: RotaryEmbedding,
+    ):
         super().__init__()
         hf = cfg.hf
         if getattr(hf, "attention_bias", False):
@@ -49,10 +56,8 @@ class MLAAttention(nn.Module):
         self.w_uk = nn.Parameter(torch.empty(self.heads, self.nope, self.rank), requires_grad=False)
         self.w_uv = nn.Parameter(torch.empty(self.heads, self.v_dim, self.rank), requires_grad=False)
         self.o_proj = Linear(self.heads * self.v_dim, h)
-        rope = dict(hf.rope_parameters or {})
-        self.scale = qk_dim**-0.5 * yarn_softmax_scale(rope)
-        interleaved = getattr(hf, "rope_interleave", True)
-        self.rotary = RotaryEmbedding(self.rope_dim, cfg.context_len, rope, interleaved)
+        self.scale = qk_dim**-0.5 * yarn_softmax_scale(dict(hf.rope_parameters or {}))
+        self.rotary = rotary  # one table for the whole model
 
     def kv_entry_shapes(self) -> list[tuple[int, ...]]:
         return [(self.rank + self.rope_dim,)]
@@ -107,9 +112,12 @@ def build_deepseek_layers(
     for key, value in defaults.items():
         if getattr(hf, key, None) is None:
             setattr(hf, key, value)
+    interleaved = getattr(hf, "rope_interleave", True)
+    rope = dict(hf.rope_parameters or {})
+    rotary = RotaryEmbedding(hf.qk_rope_head_dim, cfg.context_len, rope, interleaved)
     layers = []
     for i in range(cfg.num_layers):
-        attn = MLAAttention(cfg, topo, i, backend)
+        attn = MLAAttention(cfg, topo, i, backend, rotary)
         if hf.n_routed_experts and i >= hf.first_k_dense_replace:
             shared = hf.moe_intermediate_size * (hf.n_shared_experts or 0)
             mlp = MoE(hf, hf.moe_intermediate_size // t, shared // t)

@@ -19,14 +19,21 @@ from dpserve.models.config import ModelConfig
 class GQAAttention(nn.Module):
     """Query heads split over ATTN_TP; KV heads split too, or replicated when A > kv heads."""
 
-    def __init__(self, cfg: ModelConfig, topo: Topology, layer_id: int, backend: AttentionBackend):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        topo: Topology,
+        layer_id: int,
+        backend: AttentionBackend,
+        rotary: RotaryEmbedding,
+    ):
         super().__init__()
         hf = cfg.hf
         if getattr(hf, "attention_bias", False) or getattr(hf, "mlp_bias", False):
             raise ValueError("Llama checkpoints with attention_bias or mlp_bias are not supported")
         a = topo.attn_tp_size
         self.layer_id, self.topo, self.backend = layer_id, topo, backend
-        self.head_dim = getattr(hf, "head_dim", None) or cfg.hidden_size // cfg.num_heads
+        self.head_dim = head_dim(cfg)
         self.heads = cfg.num_heads // a
         self.kv_heads = max(cfg.num_kv_heads // a, 1)
         # With A > kv heads, rank r holds the one KV head its query heads use.
@@ -36,7 +43,7 @@ class GQAAttention(nn.Module):
         self.qkv_proj = Linear(h, (self.heads + 2 * self.kv_heads) * d)
         self.o_proj = Linear(self.heads * d, h)
         self.scale = d**-0.5
-        self.rotary = RotaryEmbedding(d, cfg.context_len, dict(hf.rope_parameters or {}), interleaved=False)
+        self.rotary = rotary  # one table for the whole model
 
     def kv_entry_shapes(self) -> list[tuple[int, ...]]:
         return [(self.kv_heads, self.head_dim), (self.kv_heads, self.head_dim)]
@@ -74,4 +81,13 @@ def build_llama_layers(
     cfg: ModelConfig, topo: Topology, backend: AttentionBackend
 ) -> list[tuple[nn.Module, nn.Module]]:
     inter = cfg.hf.intermediate_size // topo.tp_size
-    return [(GQAAttention(cfg, topo, i, backend), MLP(cfg.hidden_size, inter)) for i in range(cfg.num_layers)]
+    rope = dict(cfg.hf.rope_parameters or {})
+    rotary = RotaryEmbedding(head_dim(cfg), cfg.context_len, rope, interleaved=False)
+    return [
+        (GQAAttention(cfg, topo, i, backend, rotary), MLP(cfg.hidden_size, inter))
+        for i in range(cfg.num_layers)
+    ]
+
+
+def head_dim(cfg: ModelConfig) -> int:
+    return getattr(cfg.hf, "head_dim", None) or cfg.hidden_size // cfg.num_heads

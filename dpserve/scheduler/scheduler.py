@@ -48,8 +48,9 @@ class Scheduler:
         eos_ids: tuple[int, ...],
         seed: int,
         radix_cache: bool = True,
+        device: torch.device | str = "cpu",  # where sampling draws its noise (the logits' device)
     ):
-        self.dp_rank = dp_rank
+        self.dp_rank, self.device = dp_rank, torch.device(device)
         self.kv_capacity = kv_capacity
         self.max_running, self.chunk_size = max_running, chunk_size
         self.context_len, self.vocab_size = context_len, vocab_size
@@ -57,7 +58,7 @@ class Scheduler:
         self.allocator = SlotAllocator(kv_capacity)
         self.tree = RadixTree() if radix_cache else None
         self.free_rows = list(range(max_running, 0, -1))  # row 0 is the padding row
-        self.generator = torch.Generator().manual_seed(seed + dp_rank)
+        self.generator = torch.Generator(self.device).manual_seed(seed + dp_rank)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
@@ -84,7 +85,7 @@ class Scheduler:
         except ValueError as e:
             req = Req(msg.rid, msg.input_ids, msg.params, msg.return_logprob, 0)
             return self._output(req, {"type": "abort", "message": str(e)})
-        gen = None if msg.params.seed is None else torch.Generator().manual_seed(msg.params.seed)
+        gen = None if msg.params.seed is None else torch.Generator(self.device).manual_seed(msg.params.seed)
         max_len = max_kv_len(len(msg.input_ids), msg.params, self.context_len)
         self.waiting.append(Req(msg.rid, msg.input_ids, msg.params, msg.return_logprob, max_len, gen))
         return None
