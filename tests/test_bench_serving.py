@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dpserve import bench_serving as bs
+from dpserve.bench import serving as bs
 from dpserve.testing.reference import hf_greedy_reference
 from dpserve.testing.server import ServerProcess
 from dpserve.testing.tiny_models import write_tiny_model
@@ -181,7 +181,7 @@ def test_main_end_to_end(server: ServerProcess, llama_dir: str, tmp_path, capsys
     lines = out_file.read_text().splitlines()
     assert len(lines) == 2
     saved = json.loads(lines[0])
-    assert saved["command"].startswith("python -m dpserve.bench_serving --base-url")
+    assert saved["command"].startswith("python -m dpserve.bench.serving --base-url")
     assert saved["machine"]["cpu_count"] >= 1 and saved["machine"]["platform"]
     printed = capsys.readouterr().out
     assert "Successful requests:" in printed and "| dataset | prompts | input len |" in printed

@@ -7,6 +7,7 @@ eagerly with the very same padded batches on the CPU.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 import torch
@@ -61,6 +62,7 @@ class ModelRunner:
         )
         self.activation_bytes = 0
         self.slots_written = 0  # request-to-slot entries the last step wrote
+        self.forward_seconds = 0.0  # the model's part of the last step (the rest is host work)
         local_tokens = self._kv_capacity(shapes)
         # Every rank of the instance takes the smallest pool, so the ranks of a group hold the same.
         self.max_total_num_tokens = agree_min(local_tokens, groups.world_cpu)
@@ -140,7 +142,12 @@ class ModelRunner:
     def forward(self, plan: StepPlan, step: DPStep) -> torch.Tensor:
         """Runs the model on this group's plan (possibly empty); returns logits of sampled rows."""
         batch = self._batch(plan, step)
-        return self.model.compute_logits(self._hidden(batch), batch)
+        start = time.perf_counter()
+        logits = self.model.compute_logits(self._hidden(batch), batch)
+        if logits.is_cuda:
+            torch.cuda.synchronize(self.device)
+        self.forward_seconds = time.perf_counter() - start
+        return logits
 
     def _hidden(self, batch: ForwardBatch) -> torch.Tensor:
         if self.graphs is not None and self.graphs.has(batch.step):

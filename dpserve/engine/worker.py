@@ -48,11 +48,12 @@ class StepRecord:
     padding_mode: str  # sum_len or max_len
     tokens: tuple[int, ...]  # real tokens of every DP group
     mlp_rows: int  # rows the MoE/MLP processed (real + padding)
-    seconds: float
+    seconds: float  # the whole step: scheduling, inputs, forward, sampling
     real_rows: int  # real tokens of all groups (the MoE rows without padding)
     graph: bool  # padded to a graph bucket (a CUDA graph replay on GPU); False: eager
     retractions: int = 0  # requests this group retracted to make room for the step
     slots_written: int = 0  # request-to-slot table entries this group wrote (host work of the step)
+    forward_seconds: float = 0.0  # the model's share of `seconds`; the rest is host work
 
 
 @dataclass(frozen=True)
@@ -135,6 +136,7 @@ def _serve(rank: int, cfg: EngineConfig, addrs: WorkerAddresses, ctx: zmq.Contex
     shutdown = False
     step_log: deque[StepRecord] = deque(maxlen=STEP_LOG_LEN)
     while True:
+        loop_start = time.perf_counter()
         plan = None
         if scheduler is not None:
             report = StepReport(dp_rank)
@@ -157,7 +159,6 @@ def _serve(rank: int, cfg: EngineConfig, addrs: WorkerAddresses, ctx: zmq.Contex
             break
         idle = not any(g.tokens for g in group_steps)
         if not idle:
-            start = time.perf_counter()
             step = runner.make_step(
                 [g.tokens for g in group_steps],
                 [g.samples for g in group_steps],
@@ -180,7 +181,8 @@ def _serve(rank: int, cfg: EngineConfig, addrs: WorkerAddresses, ctx: zmq.Contex
                     padding_mode=step.mode,
                     tokens=step.tokens,
                     mlp_rows=step.mlp_rows,
-                    seconds=time.perf_counter() - start,
+                    seconds=time.perf_counter() - loop_start,
+                    forward_seconds=runner.forward_seconds,
                     real_rows=step.total_tokens,
                     graph=step.graph,
                     retractions=scheduler.step_retractions,

@@ -1,7 +1,7 @@
 """Predicted vs measured decode step time: reads bench_one_batch --result-file lines and plans the same
 layouts and batches on the cpu profile.
 
-    python -m dpserve.bench_one_batch --model-path M --tp 2 --dp 2 --enable-dp-attention \\
+    python -m dpserve.bench.one_batch --model-path M --tp 2 --dp 2 --enable-dp-attention \\
         --batch-size 1 8 32 --input-len 128 --output-len 32 --kv-cache-memory-gb 0.01 --result-file R.jsonl
     python -m dpserve.plan.validate --measured R.jsonl --out docs/plan_validation.json
 """

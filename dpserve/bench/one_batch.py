@@ -3,7 +3,7 @@
 For each batch size, one batch of random prompts is prefilled and then decoded to a fixed length; the
 latencies come from the engine's per-step timings, so they cover the forward and sampling only.
 
-    python -m dpserve.bench_one_batch --model-path /tmp/tiny_v2 --tp 2 --dp 2 --enable-dp-attention \\
+    python -m dpserve.bench.one_batch --model-path /tmp/tiny_v2 --tp 2 --dp 2 --enable-dp-attention \\
         --batch-size 1 8 32 --input-len 128 --output-len 32
 """
 
@@ -27,7 +27,7 @@ FIRST_PROMPT_ID = 3  # ids below are special tokens (bos, eos, pad) in dpserve's
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m dpserve.bench_one_batch",
+        prog="python -m dpserve.bench.one_batch",
         description="Static batch latency benchmark (prefill, decode and end-to-end) through dpserve's "
         "Engine. Prefill latency is the sum over every step in which some DP group prefilled: a batch's "
         "prompts may be spread over several steps (chunked prefill, or requests that reach the scheduler "
@@ -112,6 +112,8 @@ def run_batch(engine: Engine, args: argparse.Namespace, batch: int) -> dict:
     prefill_latency = sum(s.seconds for s in prefill)
     # Empty only if early requests decoded alone for the whole output length while others still waited.
     decode_latency = statistics.median(s.seconds for s in decode) if decode else None
+    # Host work: the step minus the model's forward (scheduling, inputs, sampling).
+    host_latency = statistics.median(s.seconds - s.forward_seconds for s in decode) if decode else None
     return {
         "batch_size": batch,
         "input_len": args.input_len,
@@ -122,6 +124,7 @@ def run_batch(engine: Engine, args: argparse.Namespace, batch: int) -> dict:
         "decode_steps": len(decode),
         "median_decode_latency": decode_latency,
         "median_decode_throughput": batch / decode_latency if decode else None,
+        "median_decode_host_latency": host_latency,
         "median_decode_mlp_rows": statistics.median(s.mlp_rows for s in decode) if decode else None,
         "decode_graph_steps": sum(s.graph for s in decode),
         "total_latency": total,
@@ -141,7 +144,8 @@ def report(r: dict) -> str:
             f"throughput: {r['prefill_throughput']:9.2f} token/s ({r['prefill_steps']} steps)",
             f"Decode.  median latency: {fmt(r['median_decode_latency'], '6.5f')} s, "
             f"median throughput: {fmt(r['median_decode_throughput'], '9.2f')} token/s "
-            f"({r['decode_steps']} full-batch steps, {r['decode_graph_steps']} padded/graph)",
+            f"({r['decode_steps']} full-batch steps, {r['decode_graph_steps']} padded/graph), "
+            f"host work {fmt(r['median_decode_host_latency'], '6.5f')} s",
             f"Total. latency: {r['total_latency']:6.3f} s, "
             f"throughput: {r['overall_throughput']:9.2f} token/s",
         ]
@@ -150,10 +154,10 @@ def report(r: dict) -> str:
 
 def table(results: list[dict]) -> str:
     header = (
-        "| tp | dp | attn_tp | batch | prefill (ms) | prefill tok/s | decode step (ms) | decode tok/s "
-        "| MoE rows/step | KV capacity |"
+        "| tp | dp | attn_tp | batch | prefill (ms) | prefill tok/s | decode step (ms) | decode host (ms) "
+        "| decode tok/s | MoE rows/step | KV capacity |"
     )
-    rows = [header, "|" + "---:|" * 10]
+    rows = [header, "|" + "---:|" * 11]
     for r in results:
         cells = [
             r["tp_size"],
@@ -163,6 +167,7 @@ def table(results: list[dict]) -> str:
             fmt(r["prefill_latency"], ".2f", 1e3),
             fmt(r["prefill_throughput"], ".1f"),
             fmt(r["median_decode_latency"], ".2f", 1e3),
+            fmt(r["median_decode_host_latency"], ".2f", 1e3),
             fmt(r["median_decode_throughput"], ".1f"),
             fmt(r["median_decode_mlp_rows"], "g"),
             r["kv_capacity"],

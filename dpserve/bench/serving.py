@@ -14,7 +14,7 @@ Workloads (``--dataset-name``):
 CPU and prints dpserve's output throughput over transformers'.
 
     python -m dpserve.launch_server --model-path /tmp/tiny_v2 --port 30000 &
-    python -m dpserve.bench_serving --base-url http://127.0.0.1:30000 --model-path /tmp/tiny_v2 \\
+    python -m dpserve.bench.serving --base-url http://127.0.0.1:30000 --model-path /tmp/tiny_v2 \\
         --num-prompts 200 --random-input-len 256 --random-output-len 64 --request-rate inf \\
         --max-concurrency 32 --baseline transformers
 """
@@ -514,7 +514,7 @@ def markdown_table(r: dict[str, Any]) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m dpserve.bench_serving",
+        prog="python -m dpserve.bench.serving",
         description="Online serving benchmark: random token-id prompts (uniform over the tokenizer's "
         "vocabulary less its special tokens) streamed to an OpenAI-compatible "
         "/v1/completions endpoint (greedy, ignore_eos, so each request generates exactly its output "
@@ -683,7 +683,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "request_rate": "inf" if math.isinf(args.request_rate) else args.request_rate,  # JSON has no inf
         "max_concurrency": args.max_concurrency,
         "seed": args.seed,
-        "command": shlex.join(["python", "-m", "dpserve.bench_serving", *argv]),
+        "command": shlex.join(["python", "-m", "dpserve.bench.serving", *argv]),
         "machine": machine_info(),
     }
     if not args.skip_server:

@@ -1,7 +1,7 @@
 """Sweep of DP padding modes: decode step latency of sum_len, max_len and auto across global batch
 sizes, (tp, dp) layouts and even / uneven spreads of the batch over the DP groups.
 
-    python -m dpserve.bench_padding --out-dir docs            # writes a mid-size random DeepseekV2 first
+    python -m dpserve.bench.padding --out-dir docs            # writes a mid-size random DeepseekV2 first
 
 For each layout and mode one engine runs every (batch size, spread) point: the batch is prefilled,
 then decoded for a few steps; the latency of a point is the median of its full-batch decode steps
@@ -22,7 +22,7 @@ import numpy as np
 from tqdm import tqdm
 
 from dpserve import Engine
-from dpserve.bench_one_batch import FIRST_PROMPT_ID
+from dpserve.bench.one_batch import FIRST_PROMPT_ID
 from dpserve.cli import positive_int
 from dpserve.testing.tiny_models import write_tiny_model
 
@@ -37,7 +37,7 @@ def parse_layout(text: str) -> tuple[int, int]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m dpserve.bench_padding",
+        prog="python -m dpserve.bench.padding",
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )

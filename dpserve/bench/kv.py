@@ -1,11 +1,11 @@
 """KV-on-demand benchmarks: prefix caching and routing, head-of-line blocking, an oversubscribed pool.
 
-    python -m dpserve.bench_kv routing --model-path smollm2-135m-instruct      # hit rate, TTFT per router
-    python -m dpserve.bench_kv hol --base-url http://127.0.0.1:30000           # a short request behind a long one
-    python -m dpserve.bench_kv oversubscribed --model-path smollm2-135m-instruct --pool 1024 --big-pool 8192
+    python -m dpserve.bench.kv routing --model-path smollm2-135m-instruct      # hit rate, TTFT per router
+    python -m dpserve.bench.kv hol --base-url http://127.0.0.1:30000           # a short request behind a long one
+    python -m dpserve.bench.kv oversubscribed --model-path smollm2-135m-instruct --pool 1024 --big-pool 8192
 
 `routing` and `oversubscribed` start one server per configuration (as users start it) and run
-`dpserve.bench_serving` against it; `hol` talks to a running server, so that any build can be
+`dpserve.bench.serving` against it; `hol` talks to a running server, so that any build can be
 measured the same way.
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from dpserve import bench_serving
+from dpserve.bench import serving as bench_serving
 from dpserve.testing.server import ServerProcess
 
 DP_ATTENTION = ["--tp", "2", "--dp", "2", "--enable-dp-attention"]
@@ -158,7 +158,7 @@ def oversubscribed(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> Any:
-    p = argparse.ArgumentParser(prog="python -m dpserve.bench_kv", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m dpserve.bench.kv", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--output-file", default=None, help="write the results as JSON")
