@@ -387,10 +387,15 @@ def transformers_generate(
 
 
 def run_transformers_baseline(
-    model_path: str, requests: list[RequestInput], batch_size: int, pad_id: int, disable_tqdm: bool
+    model_path: str,
+    requests: list[RequestInput],
+    batch_size: int,
+    pad_id: int,
+    disable_tqdm: bool,
+    dtype: str = "float32",
 ) -> dict[str, Any]:
-    """Time transformers (float32, CPU) on the benchmark's requests; throughput counts requested tokens only."""
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    """Time transformers (CPU) on the benchmark's requests; throughput counts requested tokens only."""
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).eval()
     transformers_generate(model, [RequestInput(requests[0].prompt, 2)], 1, pad_id, True)  # warm-up
     start = time.perf_counter()
     outputs = transformers_generate(model, requests, batch_size, pad_id, disable_tqdm)
@@ -402,6 +407,7 @@ def run_transformers_baseline(
     output_tokens = sum(r.output_len for r in requests)
     return {
         "backend": "transformers",
+        "dtype": dtype,
         "batch_size": batch_size,
         "torch_threads": torch.get_num_threads(),
         "duration": duration,
@@ -461,7 +467,7 @@ def report(r: dict[str, Any]) -> str:
                 add(f"{label} {short} (ms)", fmt(r[f"{stat}_{name}_ms"]))
     if "baseline" in r:
         b = r["baseline"]
-        section(f"transformers baseline (batch {b['batch_size']})")
+        section(f"transformers baseline ({b.get('dtype', 'float32')}, batch {b['batch_size']})")
         add("Duration (s)", fmt(b["duration"]))
         add("Output token throughput (tok/s)", fmt(b["output_throughput"]))
         add("Total token throughput (tok/s)", fmt(b["total_throughput"]))
@@ -592,7 +598,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=("transformers",),
         default=None,
         help="after the server run, generate the same prompts and output lengths with transformers "
-        "(float32, CPU, greedy, left-padded batches) and report dpserve's output throughput over its own",
+        "(CPU, greedy, left-padded batches) and report dpserve's output throughput over its own",
+    )
+    p.add_argument(
+        "--baseline-dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="dtype transformers runs in (compare at the server's --dtype)",
     )
     p.add_argument(
         "--baseline-batch-size",
@@ -729,7 +741,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         batch_size = args.baseline_batch_size or args.max_concurrency or 16
         pad_id = next(i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if i is not None)
         result["baseline"] = run_transformers_baseline(
-            args.model_path, requests, batch_size, pad_id, args.disable_tqdm
+            args.model_path, requests, batch_size, pad_id, args.disable_tqdm, args.baseline_dtype
         )
         if "output_throughput" in result:
             result["output_throughput_ratio"] = (

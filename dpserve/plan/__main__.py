@@ -31,9 +31,9 @@ def add_plan_args(p: argparse.ArgumentParser, engine_flags: bool = True) -> None
     hw.add_argument(
         "--moe-kernel",
         default="engine",
-        choices=("engine", "sparse", "dense"),
-        help="how the MoE reads experts: engine: as dpserve runs (dense fixed-shape experts inside CUDA "
-        "graphs, only the chosen experts when eager); sparse: a fused kernel reading only chosen experts",
+        choices=("engine", "dense"),
+        help="how the MoE reads experts: engine: as dpserve runs (only the chosen experts: the fused "
+        "grouped GEMM on GPU, eager and in CUDA graphs alike); dense: every expert on every row",
     )
     wl = p.add_argument_group("workload")
     wl.add_argument("--input-len", type=int, default=1024, help="prompt tokens per request")

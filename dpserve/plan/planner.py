@@ -7,9 +7,9 @@ Decode step time of one rank (all ranks step in lockstep) at a global batch of B
       all-gather for max_len), with the padding mode `auto` would pick (the cheaper)
     + fixed costs (kernel launches per layer on GPU; eager op dispatch on the CPU; host work per step)
 
-Bytes: attention weights, the routed experts the step touches (E * (1 - (1 - k/E)^rows) with the
-sparse per-expert path the engine runs eagerly; all E with the dense path it captures in CUDA
-graphs), dense MLP and shared experts, the KV cache read. Rows: the padded rows each mode makes
+Bytes: attention weights, the routed experts the step touches (E * (1 - (1 - k/E)^rows): the engine
+runs only the chosen experts, by the fused grouped GEMM on GPU, in eager steps and CUDA graphs
+alike; all E with `moe_kernel="dense"`, for comparison), dense MLP and shared experts, the KV cache read. Rows: the padded rows each mode makes
 (design section 4): sum_len bucket(S) rows; max_len dp * round_up(bucket(max n_g), A).
 """
 
@@ -89,7 +89,7 @@ class StepModel:
         self.attn_spans = self.ranks_per_node < self.A
         self.buckets = cfg.graph_buckets
         self.graphs = bool(self.buckets)
-        self.moe_kernel = moe_kernel  # engine: dense fixed-shape experts in CUDA graphs, sparse when eager
+        self.moe_kernel = moe_kernel  # engine: the chosen experts only; dense: every expert on every row
         r, c = self.ranks_per_node, max(prof.cores, 1)
         self.op_s = prof.op_overhead
         self.alpha = {}
@@ -130,7 +130,6 @@ class StepModel:
         ctx: float,
         sampled: int,
         mode: str,
-        graphed: bool = False,
     ) -> dict:
         """Seconds by part for one step: `local_rows` per group (padded), `mlp_rows` in the MoE/MLP,
         `real_local` real requests per group reading `ctx` KV tokens each."""
@@ -153,10 +152,7 @@ class StepModel:
         t_attn = max((c.attn_bytes + kv_bytes) / bw, attn_flops / flops)
         # MLP / MoE on the gathered rows
         if c.moe_layers:
-            dense = self.moe_kernel == "dense" or (
-                self.moe_kernel == "engine" and graphed and self.cfg.device == "cuda"
-            )
-            if dense:
+            if self.moe_kernel == "dense":
                 touched, active = c.num_experts, c.num_experts
             else:
                 touched = c.num_experts * (1 - (1 - c.top_k / c.num_experts) ** mlp_rows)
@@ -225,7 +221,7 @@ class StepModel:
                 bucket = _bucket(sorted({round_up(x, A) for x in self.buckets}), b) if self.graphs else None
                 local = bucket or round_up(b, A)
                 rows = G * local
-            parts = self.step(local, rows, b, ctx, b, mode, graphed=bucket is not None)
+            parts = self.step(local, rows, b, ctx, b, mode)
             options.append(StepTime(batch, sum(parts.values()), mode, rows, parts))
         return min(options, key=lambda s: s.seconds)
 
