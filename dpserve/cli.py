@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import argparse
 
-from dpserve.config import ATTENTION_BACKENDS, DEFAULT_CUDA_GRAPH_MAX_BS, PADDING_MODES
+from dpserve.config import (
+    ATTENTION_BACKENDS,
+    DEFAULT_CUDA_GRAPH_MAX_BS,
+    PADDING_MODES,
+    SPECULATIVE_ALGORITHMS,
+)
 from dpserve.memory import DEFAULT_MEM_FRACTION_STATIC
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -132,6 +137,24 @@ def add_engine_args(p: argparse.ArgumentParser, log_level: str = "info") -> None
         help="turn off the radix prefix cache of each DP group (on by default: a prompt's cached "
         "beginning is not prefilled again; unused entries are evicted LRU when memory is short)",
     )
+    spec = p.add_argument_group("speculative decoding")
+    spec.add_argument(
+        "--speculative-algorithm",
+        default=None,
+        choices=SPECULATIVE_ALGORITHMS,
+        help="NGRAM: each decoding request proposes the tokens that followed the latest earlier "
+        "occurrence of its last tokens (prompt lookup, no draft model); the model verifies them in one "
+        "step and keeps the longest prefix it agrees with (exactly its own output)",
+    )
+    spec.add_argument(
+        "--speculative-num-steps", type=positive_int, default=3, help="draft tokens per request and step"
+    )
+    spec.add_argument(
+        "--speculative-num-draft-tokens",
+        type=positive_int,
+        default=None,
+        help="tokens verified per request and step: --speculative-num-steps + 1 (chains; the default)",
+    )
     sch.add_argument("--random-seed", type=int, default=0, help="seed of sampling without a per-request seed")
     p.add_argument("--log-level", default=log_level, choices=LOG_LEVELS, help="log level of every process")
 
@@ -156,6 +179,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         cuda_graph_bs=args.cuda_graph_bs,
         disable_cuda_graph=args.disable_cuda_graph,
         disable_radix_cache=args.disable_radix_cache,
+        speculative_algorithm=args.speculative_algorithm,
+        speculative_num_steps=args.speculative_num_steps,
+        speculative_num_draft_tokens=args.speculative_num_draft_tokens,
         random_seed=args.random_seed,
         log_level=args.log_level,
     )

@@ -9,6 +9,7 @@ from dpserve.memory import DEFAULT_MEM_FRACTION_STATIC
 
 PADDING_MODES = ("auto", "sum_len", "max_len")
 ATTENTION_BACKENDS = ("auto", "triton", "sdpa")
+SPECULATIVE_ALGORITHMS = ("NGRAM",)
 DEFAULT_CUDA_GRAPH_MAX_BS = 128
 
 
@@ -52,6 +53,9 @@ class EngineConfig:
     cuda_graph_bs: list[int] | None = None  # explicit decode buckets; overrides cuda_graph_max_bs
     disable_cuda_graph: bool = False  # decode eagerly without padding (on the CPU: no padded path)
     disable_radix_cache: bool = False  # no prefix cache: every prompt is prefilled whole
+    speculative_algorithm: str | None = None  # NGRAM: drafts by prompt lookup, verified in one step
+    speculative_num_steps: int = 3  # draft tokens proposed per request and step (a chain)
+    speculative_num_draft_tokens: int | None = None  # tokens verified per request: num_steps + 1 (chains)
     random_seed: int = 0
     dist_init_addr: str | None = None  # host:port of rank 0; a free local port by default
     nnodes: int = 1  # nodes the ranks are spread over; node 0 runs the front end
@@ -93,6 +97,22 @@ class EngineConfig:
             raise ValueError(f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}")
         if self.max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
+        if self.speculative_algorithm is not None:
+            self.speculative_algorithm = self.speculative_algorithm.upper()
+            if self.speculative_algorithm not in SPECULATIVE_ALGORITHMS:
+                raise ValueError(
+                    f"speculative_algorithm must be one of {SPECULATIVE_ALGORITHMS}, "
+                    f"got {self.speculative_algorithm!r}"
+                )
+            if self.speculative_num_steps < 1:
+                raise ValueError(f"speculative_num_steps must be >= 1, got {self.speculative_num_steps}")
+            if self.speculative_num_draft_tokens is None:
+                self.speculative_num_draft_tokens = self.speculative_num_steps + 1
+            if self.speculative_num_draft_tokens != self.speculative_num_steps + 1:
+                raise ValueError(
+                    f"speculative_num_draft_tokens={self.speculative_num_draft_tokens} must be "
+                    f"speculative_num_steps + 1 = {self.speculative_num_steps + 1} (chains, top-k 1)"
+                )
         if self.device == "auto":
             import torch
 
@@ -109,6 +129,11 @@ class EngineConfig:
             )
         if self.attention_backend == "auto":
             self.attention_backend = "triton" if self.device == "cuda" else "sdpa"
+
+    @property
+    def num_drafts(self) -> int:
+        """Draft tokens per request and step; 0 without speculative decoding."""
+        return self.speculative_num_steps if self.speculative_algorithm else 0
 
     @property
     def num_instances(self) -> int:

@@ -9,10 +9,15 @@ from dpserve.kvcache.radix_cache import RadixTree
 from dpserve.sampling_params import SamplingParams
 from dpserve.scheduler.request import GenerateRequest
 from dpserve.scheduler.scheduler import MAX_RETRACTIONS, Scheduler
+from dpserve.speculative.rejection import greedy_accept
 
 
-def make(capacity: int = 50, chunk: int = 8, max_running: int = 4, radix: bool = True) -> Scheduler:
-    return Scheduler(0, capacity, max_running, chunk, 100, 300, eos_ids=(1,), seed=0, radix_cache=radix)
+def make(
+    capacity: int = 50, chunk: int = 8, max_running: int = 4, radix: bool = True, drafts: int = 0
+) -> Scheduler:
+    return Scheduler(
+        0, capacity, max_running, chunk, 100, 300, eos_ids=(1,), seed=0, radix_cache=radix, num_drafts=drafts
+    )
 
 
 def request(rid: str, prompt_len: int, new: int = 10, first: int = 3) -> GenerateRequest:
@@ -24,8 +29,13 @@ def next_token(fill: list[int]) -> int:
     return 2 + sum(fill) % 97  # a function of the whole sequence, as a model's greedy choice is
 
 
-def step(s: Scheduler):
-    """Runs one step: checks the plan against the request-to-slot table a rank keeps."""
+def periodic_token(fill: list[int]) -> int:
+    return 3 + (fill[-1] * 7) % 11  # repeats soon, as copy-heavy text does: n-gram drafts get accepted
+
+
+def step(s: Scheduler, rule=next_token):
+    """Runs one step: checks the plan against the request-to-slot table a rank keeps; the "model"
+    verifies drafts greedily by `rule`."""
     plan = s.schedule()
     table = s.__dict__.setdefault("rank_table", {})  # row -> {position: slot}, as a rank's table
     for r in plan.reqs:
@@ -33,18 +43,22 @@ def step(s: Scheduler):
         row.update(enumerate(r.prefix))
         row.update(zip(range(r.start, r.seq_len), r.slots, strict=True))
         assert all(p in row for p in range(r.seq_len)), "a position the step attends has no slot"
-    sampled = [r for r in s._step_reqs if r.prefill_done]
-    tokens = [next_token(r.fill_ids) for r in sampled]
-    _, finished = s.process_samples(tokens, [0.0] * len(tokens))
+    tokens = []
+    for r in [r for r in s._step_reqs if r.prefill_done]:
+        targets = [rule(r.fill_ids + r.drafts[:j]) for j in range(len(r.drafts) + 1)]
+        tokens.append(greedy_accept(r.drafts, targets))
+    _, finished = s.process_samples(tokens, [[0.0] * len(t) for t in tokens])
     return plan, finished
 
 
-def run(s: Scheduler, requests: list[GenerateRequest], max_steps: int = 10_000) -> dict[str, dict]:
+def run(
+    s: Scheduler, requests: list[GenerateRequest], max_steps: int = 10_000, rule=next_token
+) -> dict[str, dict]:
     for msg in requests:
         assert s.add(msg) is None
     outputs = {}
     for _ in range(max_steps):
-        _, finished = step(s)
+        _, finished = step(s, rule)
         outputs.update((o["rid"], o) for o in finished)
         if not s.running and not s.waiting:
             return outputs
@@ -52,10 +66,10 @@ def run(s: Scheduler, requests: list[GenerateRequest], max_steps: int = 10_000) 
     raise AssertionError("requests did not finish")
 
 
-def expected_output(msg: GenerateRequest) -> list[int]:
+def expected_output(msg: GenerateRequest, rule=next_token) -> list[int]:
     fill = list(msg.input_ids)
     for _ in range(msg.params.max_new_tokens):
-        fill.append(next_token(fill))
+        fill.append(rule(fill))
     return fill[len(msg.input_ids) :]
 
 
@@ -192,7 +206,7 @@ def test_stop_on_eos():
     s = make()
     s.add(GenerateRequest("a", [5, 6], SamplingParams(max_new_tokens=10, temperature=0)))
     plan = s.schedule()
-    _, finished = s.process_samples([1], [0.0])
+    _, finished = s.process_samples([[1]], [[0.0]])
     assert finished[0]["finish_reason"] == {"type": "stop", "matched": 1} and plan.reqs[0].sample
 
 
@@ -210,11 +224,12 @@ def test_radix_tree_split_lock_evict():
 
 
 @pytest.mark.parametrize("radix", [True, False])
-def test_many_random_requests_finish_exactly(radix):
+@pytest.mark.parametrize("drafts,rule", [(0, next_token), (3, next_token), (3, periodic_token)])
+def test_many_random_requests_finish_exactly(radix, drafts, rule):
     import random
 
     rng = random.Random(radix)
-    s = make(capacity=80, chunk=12, max_running=6, radix=radix)
+    s = make(capacity=80, chunk=12, max_running=6, radix=radix, drafts=drafts)
     prefixes = [[rng.randrange(3, 290) for _ in range(rng.randrange(5, 20))] for _ in range(3)]
     msgs = []
     for i in range(40):
@@ -222,7 +237,15 @@ def test_many_random_requests_finish_exactly(radix):
         new = rng.randrange(1, 80 - len(prompt))
         params = SamplingParams(max_new_tokens=new, temperature=0, ignore_eos=True)
         msgs.append(GenerateRequest(f"r{i}", prompt, params))
-    outputs = run(s, msgs)
+    outputs = run(s, msgs, rule=rule)
     for m in msgs:
-        assert outputs[m.rid]["output_ids"] == expected_output(m), m.rid
-    assert s.stats()["kv_used"] == 0
+        assert outputs[m.rid]["output_ids"] == expected_output(m, rule), m.rid
+    stats = s.stats()
+    assert stats["kv_used"] == 0
+    if drafts:  # a token comes from a (re)started prefill, or a verify step: accepted drafts + the next
+        steps = sum(o["spec_verify_ct"] for o in outputs.values())
+        prefills = len(msgs) + stats["retractions"]
+        assert stats["spec_verify_steps"] == steps
+        assert stats["generated_tokens"] == prefills + steps + stats["spec_accepted_tokens"]
+        if rule is periodic_token:
+            assert stats["spec_accepted_tokens"] > stats["generated_tokens"] / 3

@@ -157,7 +157,14 @@ class Engine:
         text = self.tokenizer.decode(o["output_ids"], skip_special_tokens=True) if self.tokenizer else ""
         meta = {
             k: o[k]
-            for k in ("prompt_tokens", "completion_tokens", "cached_tokens", "finish_reason", "dp_rank")
+            for k in (
+                "prompt_tokens",
+                "completion_tokens",
+                "cached_tokens",
+                "spec_verify_ct",
+                "finish_reason",
+                "dp_rank",
+            )
         }
         if o["return_logprob"]:
             meta["output_token_logprobs"] = o["output_token_logprobs"]

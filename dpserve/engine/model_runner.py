@@ -133,6 +133,8 @@ class ModelRunner:
         """Whether this group's batch fits a padded decode graph (decode or idle, KV short enough)."""
         if plan.mode == "extend" or not self.cfg.graph_buckets:
             return False
+        if plan.mode == "verify" and self.graphs is not None:
+            return False  # only decode graphs are captured: verify steps run eagerly on the GPU
         return all(r.seq_len <= self.graph_kv_len for r in plan.reqs)
 
     def make_step(self, tokens: list[int], logit_rows: list[int], can_pad: bool) -> DPStep:
@@ -178,7 +180,9 @@ class ModelRunner:
         q_lens = [len(r.tokens) for r in reqs] + [1] * pad
         seq_lens = [r.seq_len for r in reqs] + [1] * pad
         q_start = torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        sample = torch.tensor([r.sample for r in reqs] + [False] * pad, dtype=torch.bool)
+        ends = q_start[1 : len(reqs) + 1].tolist()
+        # Rows to return logits for: a request's last, or every one of a verify step's.
+        logit_idx = [i for r, end in zip(reqs, ends, strict=True) for i in range(end - r.logit_rows, end)]
         attn = AttentionMetadata(
             req_to_token=self.req_to_token,
             req_idx=torch.tensor([r.row for r in reqs] + [0] * pad, dtype=torch.int32, device=dev),
@@ -197,7 +201,7 @@ class ModelRunner:
                 [s for r in reqs for s in r.slots] + [0] * pad, dtype=torch.long, device=dev
             ),
             attn=attn,
-            logit_idx=(q_start[1:].long() - 1)[sample].to(dev),
+            logit_idx=torch.tensor(logit_idx, dtype=torch.long, device=dev),
             step=step,
             row_index=torch.tensor(step.row_index(), dtype=torch.long, device=dev),
         )

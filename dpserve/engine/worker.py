@@ -116,6 +116,7 @@ def _serve(rank: int, cfg: EngineConfig, addrs: WorkerAddresses, ctx: zmq.Contex
             cfg.random_seed,
             radix_cache=not cfg.disable_radix_cache,
             device=runner.device,
+            num_drafts=cfg.num_drafts,
         )
         requests = ctx.socket(zmq.PULL)
         requests.connect(addrs.requests[dp_rank])
@@ -148,7 +149,7 @@ def _serve(rank: int, cfg: EngineConfig, addrs: WorkerAddresses, ctx: zmq.Contex
         plan: StepPlan = broadcast_object(plan, leader_rank, groups.attn_tp_cpu)
         local = GroupStep(
             tokens=plan.num_tokens,
-            samples=plan.num_samples,
+            samples=plan.num_logit_rows,
             mode=MODES.index(plan.mode),
             shutdown=plan.shutdown,
             can_pad=runner.can_use_graph(plan),
@@ -170,7 +171,7 @@ def _serve(rank: int, cfg: EngineConfig, addrs: WorkerAddresses, ctx: zmq.Contex
         if not idle:
             if plan.reqs:
                 tokens, logprobs = (
-                    sample(logits, *scheduler.sampling_inputs()) if plan.num_samples else ([], [])
+                    sample(logits, *scheduler.sampling_inputs()) if plan.num_logit_rows else ([], [])
                 )
                 report.add(*scheduler.process_samples(tokens, logprobs))
             steps["steps_graph" if step.graph else "steps_eager"] += 1

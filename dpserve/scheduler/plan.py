@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import astuple, dataclass, field, fields
 
-MODES = ("idle", "decode", "extend")  # ordered so that a step's global kind is the largest
+MODES = ("idle", "decode", "verify", "extend")  # ordered so that a step's global kind is the largest
 
 
 @dataclass
@@ -24,15 +24,20 @@ class ReqStep:
     slots: list[int]  # KV slots the new tokens are written to
     sample: bool  # whether the next token is sampled after the last new token
     prefix: list[int] = field(default_factory=list)
+    verify: bool = False  # tokens are the last token and its drafts: logits for every one of them
 
     @property
     def seq_len(self) -> int:
         return self.start + len(self.tokens)
 
+    @property
+    def logit_rows(self) -> int:
+        return len(self.tokens) if self.verify else int(self.sample)
+
 
 @dataclass
 class StepPlan:
-    mode: str = "idle"  # "extend" (some request prefills), "decode" or "idle"
+    mode: str = "idle"  # "extend" (some request prefills), "verify" (decode with drafts), "decode", "idle"
     reqs: list[ReqStep] = field(default_factory=list)
     shutdown: bool = False
 
@@ -41,8 +46,8 @@ class StepPlan:
         return sum(len(r.tokens) for r in self.reqs)
 
     @property
-    def num_samples(self) -> int:
-        return sum(r.sample for r in self.reqs)
+    def num_logit_rows(self) -> int:
+        return sum(r.logit_rows for r in self.reqs)
 
 
 @dataclass(frozen=True)
@@ -50,7 +55,7 @@ class GroupStep:
     """One DP group's figures for a step, all-gathered as ints over WORLD."""
 
     tokens: int  # new tokens of the group (its rows before padding)
-    samples: int  # rows that need logits
+    samples: int  # rows that need logits (a verify step: every token of a request with drafts)
     mode: int  # index into MODES
     shutdown: bool
     can_pad: bool  # the group's batch fits a padded decode graph

@@ -38,10 +38,12 @@ class Req:
     node: Node | None = None  # radix tree node it locks: its first `cached_len` slots belong to the tree
     cached_len: int = 0
     dup_slots: list[int] = field(default_factory=list)  # own copies of tokens the tree also holds
+    drafts: list[int] = field(default_factory=list)  # speculative tokens verified in this step
     # Accounting:
     cached_tokens: int | None = None  # prompt tokens found in the cache at first admission
     retractions: int = 0
     protected: bool = False  # admitted with its whole need reserved: never retracted again
+    spec_verify_ct: int = 0  # decode steps with speculative decoding on (accept length: tokens / steps)
 
     @property
     def kv_len(self) -> int:

@@ -11,7 +11,10 @@ by prefilling prompt + generated tokens, so its output is unchanged. A request r
 so every request finishes.
 
 Each step prefills up to `chunk_size` prompt tokens (continuing a chunked prompt first), and
-every request already decoding rides along with one token.
+every request already decoding rides along with one token. With speculative decoding (NGRAM),
+a decoding request also feeds up to `num_drafts` proposed tokens, from the slots the step leaves
+spare (speculation never retracts anyone); the model verifies them in the same step, and the
+slots of the drafts it rejects are freed at once.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from dpserve.kvcache.pool import SlotAllocator
 from dpserve.kvcache.radix_cache import RadixTree
 from dpserve.scheduler.plan import ReqStep, StepPlan
 from dpserve.scheduler.request import GenerateRequest, Req, check_request, max_kv_len
+from dpserve.speculative.ngram import propose_ngram
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +53,9 @@ class Scheduler:
         seed: int,
         radix_cache: bool = True,
         device: torch.device | str = "cpu",  # where sampling draws its noise (the logits' device)
+        num_drafts: int = 0,  # speculative (NGRAM) tokens per decoding request and step; 0: off
     ):
-        self.dp_rank, self.device = dp_rank, torch.device(device)
+        self.dp_rank, self.device, self.num_drafts = dp_rank, torch.device(device), num_drafts
         self.kv_capacity = kv_capacity
         self.max_running, self.chunk_size = max_running, chunk_size
         self.context_len, self.vocab_size = context_len, vocab_size
@@ -71,6 +76,9 @@ class Scheduler:
                 "retractions",
                 "cache_hit_tokens",
                 "cache_evicted_tokens",
+                "spec_verify_steps",  # request-steps decoded with speculation on
+                "spec_draft_tokens",  # drafts proposed
+                "spec_accepted_tokens",  # drafts the model agreed with
             ),
             0,
         )
@@ -113,12 +121,23 @@ class Scheduler:
         ):
             req = self.waiting.popleft()
             budget -= self._add_chunk(plan, req, budget, reserved=len(decoding), prefix=list(req.slots))
+        spare = self.available - len(decoding)
         for req in decoding:
-            slot = self._alloc(1)
-            plan.reqs.append(ReqStep(req.row, req.kv_len, [req.output_ids[-1]], slot, sample=True))
+            req.drafts = self._propose(req, spare)
+            spare -= len(req.drafts)
+            slots = self._alloc(1 + len(req.drafts))
+            tokens = [req.output_ids[-1], *req.drafts]
+            plan.reqs.append(
+                ReqStep(req.row, req.kv_len, tokens, slots, sample=True, verify=bool(req.drafts))
+            )
             self._step_reqs.append(req)
-            req.slots += slot
-        plan.mode = "extend" if self._prefilled else "decode" if decoding else "idle"
+            req.slots += slots
+            req.spec_verify_ct += self.num_drafts > 0
+            self.counters["spec_verify_steps"] += self.num_drafts > 0
+        if self._prefilled:
+            plan.mode = "extend"
+        elif decoding:
+            plan.mode = "verify" if any(r.verify for r in plan.reqs) else "decode"
         if self.step_retractions:
             self.new_token_ratio = min(
                 1.0, max(INIT_NEW_TOKEN_RATIO, self.new_token_ratio + NEW_TOKEN_RATIO_STEP_UP)
@@ -126,6 +145,16 @@ class Scheduler:
         elif plan.reqs:
             self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         return plan
+
+    def _propose(self, req: Req, spare: int) -> list[int]:
+        """Draft tokens for `req`: no more than the spare slots, nor than it may still generate
+        beyond the token the step yields anyway."""
+        n = min(self.num_drafts, spare, req.remaining_new_tokens - 1)
+        if n <= 0:
+            return []
+        drafts = propose_ngram(req.fill_ids, n)
+        self.counters["spec_draft_tokens"] += len(drafts)
+        return drafts
 
     @property
     def available(self) -> int:
@@ -250,28 +279,46 @@ class Scheduler:
 
     # --- after the forward -----------------------------------------------------------------------
 
-    def sampling_inputs(self) -> tuple[list, list[torch.Generator]]:
-        """Sampling parameters and generators of the last plan's requests that sample."""
+    def sampling_inputs(self) -> tuple[list, list[torch.Generator], list[list[int]]]:
+        """Sampling parameters, generators and drafts of the last plan's requests that sample."""
         reqs = self._sampled()
-        return [r.params for r in reqs], [r.generator or self.generator for r in reqs]
+        return (
+            [r.params for r in reqs],
+            [r.generator or self.generator for r in reqs],
+            [r.drafts for r in reqs],
+        )
 
     def _sampled(self) -> list[Req]:
         return [r for r in self._step_reqs if r.prefill_done]
 
     def process_samples(
-        self, tokens: list[int], logprobs: list[float]
+        self, tokens: list[list[int]], logprobs: list[list[float]]
     ) -> tuple[list[tuple[str, int, float]], list[dict]]:
-        """Appends the sampled tokens; returns them as (rid, token, logprob) and the outputs of the
-        requests that finished. Freshly prefilled prompts go into the prefix cache."""
+        """Appends each sampling request's new tokens (one, or a verify step's accepted drafts and the
+        next token), in order and none past a finish; frees the KV of rejected drafts; returns the
+        tokens as (rid, token, logprob) and the outputs of the requests that finished. Freshly
+        prefilled prompts go into the prefix cache."""
         if self.tree is not None:
             for req in self._prefilled:
                 self._cache(req)
         new, finished = [], []
-        for req, tok, lp in zip(self._sampled(), tokens, logprobs, strict=True):
-            req.output_ids.append(tok)
-            req.logprobs.append(lp)
-            new.append((req.rid, tok, lp))
-            reason = self._finish_reason(req, tok)
+        for req, toks, lps in zip(self._sampled(), tokens, logprobs, strict=True):
+            reason, emitted = None, 0
+            for tok, lp in zip(toks, lps, strict=True):
+                req.output_ids.append(tok)
+                req.logprobs.append(lp)
+                new.append((req.rid, tok, lp))
+                emitted += 1
+                reason = self._finish_reason(req, tok)
+                if reason is not None:
+                    break
+            self.counters["spec_accepted_tokens"] += min(emitted, len(toks) - 1)  # drafts among them
+            # The KV of every token but the last is kept: the drafts' slots past it are rejected ones.
+            rejected = req.kv_len - (req.seq_len - 1)
+            if rejected > 0:
+                self.allocator.free(req.slots[-rejected:])
+                del req.slots[-rejected:]
+            req.drafts = []
             if reason is not None:
                 finished.append(self._finish(req, reason))
         self.counters["generated_tokens"] += len(new)
@@ -280,6 +327,7 @@ class Scheduler:
     def stats(self) -> dict:
         """Load and cache figures of this DP group, for routing and /metrics."""
         cached = self.tree.size if self.tree else 0
+        c = self.counters
         return {
             "running": len(self.running),
             "queued": len(self.waiting),
@@ -289,7 +337,8 @@ class Scheduler:
             "kv_cached": cached,
             "kv_evictable": self.tree.evictable if self.tree else 0,
             "new_token_ratio": self.new_token_ratio,
-            **self.counters,
+            "spec_accept_length": 1 + c["spec_accepted_tokens"] / max(c["spec_verify_steps"], 1),
+            **c,
         }
 
     def _finish_reason(self, req: Req, tok: int) -> dict | None:
@@ -318,5 +367,6 @@ class Scheduler:
             "prompt_tokens": len(req.input_ids),
             "completion_tokens": len(req.output_ids),
             "cached_tokens": req.cached_tokens or 0,
+            "spec_verify_ct": req.spec_verify_ct,
             "dp_rank": self.dp_rank,
         }

@@ -162,6 +162,7 @@ def _native_output(chunks: list[Chunk], with_logprobs: bool) -> dict:
         "prompt_tokens": last.prompt_tokens,
         "completion_tokens": last.completion_tokens,
         "cached_tokens": last.cached_tokens,
+        "spec_verify_ct": last.spec_verify_ct,
         "finish_reason": last.finish_reason,
         "dp_rank": last.dp_rank,
     }

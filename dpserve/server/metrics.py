@@ -50,6 +50,15 @@ PER_DP_RANK = [
         "cache_evicted_tokens",
     ),
     ("retractions", "counter", "Running requests retracted under memory pressure", "retractions"),
+    ("spec_verify_steps", "counter", "Request decode steps with speculative decoding", "spec_verify_steps"),
+    ("spec_draft_tokens", "counter", "Speculative draft tokens proposed", "spec_draft_tokens"),
+    ("spec_accepted_tokens", "counter", "Speculative draft tokens accepted", "spec_accepted_tokens"),
+    (
+        "spec_accept_length",
+        "gauge",
+        "Mean tokens per speculative verify step (accepted drafts + 1)",
+        "spec_accept_length",
+    ),
     ("steps_eager", "counter", "Forward steps run eagerly (no captured graph)", "steps_eager"),
     ("steps_graph", "counter", "Forward steps run as captured graphs (padded buckets on CPU)", "steps_graph"),
 ]

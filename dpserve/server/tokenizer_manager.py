@@ -58,6 +58,7 @@ class Chunk:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int  # prompt tokens served from the prefix cache (known on the last chunk)
+    spec_verify_ct: int  # speculative verify steps (known on the last chunk)
     dp_rank: int
 
 
@@ -206,6 +207,7 @@ class TokenizerManager:
             prompt_tokens=state.prompt_tokens,
             completion_tokens=state.completion_tokens,
             cached_tokens=state.output["cached_tokens"] if state.output else 0,
+            spec_verify_ct=state.output["spec_verify_ct"] if state.output else 0,
             dp_rank=state.group,
         )
 
