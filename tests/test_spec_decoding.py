@@ -56,3 +56,22 @@ def test_ngram_with_retraction_and_prefix_hits(engine_cache, model_dirs, referen
     metrics = engine.get_metrics()
     assert sum(m["retractions"] for m in metrics) > 0
     assert sum(o["meta_info"]["cached_tokens"] for o in second) > 0
+
+
+@pytest.mark.parametrize("mode", ["sum_len", "max_len"])
+def test_padded_verify_steps_match(engine_cache, model_dirs, prompts, references, mode):
+    """Verify steps padded to a bucket (rows = requests x (1 + drafts)) give the reference tokens."""
+    engine = engine_cache.get(
+        model_dirs["deepseek_v3"],
+        tp_size=4,
+        dp_size=2,
+        enable_dp_attention=True,
+        kv_cache_memory_gb=KV_BUDGET_GB,
+        dp_padding_mode=mode,
+        **SPEC,
+    )
+    engine.get_step_log()
+    outputs = engine.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True)
+    assert_matches_reference(outputs, references["deepseek_v3"])
+    verify = [s for s in engine.get_step_log()[0] if s.kind == "verify"]
+    assert any(s.graph and s.padding_mode == mode and s.mlp_rows > s.real_rows for s in verify)
