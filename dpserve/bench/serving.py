@@ -9,6 +9,9 @@ Workloads (``--dataset-name``):
     multi-turn               C conversations of T turns: each turn sends the whole history (earlier
                              prompts and answers) plus a new question, after the previous answer
                              arrived (native ``/generate``, which returns the answer's token ids)
+    repeat                   chat prompts asking to repeat a paragraph word for word (copy-heavy text,
+                             where speculative n-gram drafts are right most of the time)
+    chat                     chat prompts asking for a short story on a topic (plain generation)
 
 ``--baseline transformers`` then generates the same prompts and output lengths with transformers on the
 CPU and prints dpserve's output throughput over transformers'.
@@ -152,6 +155,38 @@ def sample_multi_turn_requests(
         )
         for _ in range(conversations)
     ]
+
+
+PARAGRAPHS = [
+    "The river runs past the old mill, under the stone bridge and through the fields where the farmers "
+    "grow wheat and barley. In spring the water is high and fast; in late summer it is slow and clear.",
+    "Our team meets every Monday at nine to plan the week. Each person says what they finished, what "
+    "they will do next, and what is blocking them, and the notes go to everyone before lunch.",
+    "To make bread, mix flour, water, salt and yeast, knead the dough for ten minutes, let it rise for "
+    "an hour, shape it, let it rise again, and bake it in a hot oven until the crust is brown.",
+    "The library opens at eight on weekdays and at ten on weekends. Books can be borrowed for three "
+    "weeks and renewed twice online, unless another reader has reserved them.",
+]
+TOPICS = ["a lighthouse keeper", "a lost umbrella", "the first day of school", "a robot gardener",
+          "a storm at sea", "an old clock", "a mountain village", "a talking cat"]  # fmt: skip
+
+
+def sample_text_requests(
+    kind: str, num: int, output_len: int, tokenizer, rng: np.random.Generator
+) -> list[RequestInput]:
+    """Chat prompts through the model's chat template: `repeat` asks to copy a paragraph word for
+    word, `chat` for a short story."""
+    requests = []
+    for _ in range(num):
+        if kind == "repeat":
+            content = "Repeat this paragraph word for word:\n\n" + PARAGRAPHS[rng.integers(len(PARAGRAPHS))]
+        else:
+            content = f"Write a short story about {TOPICS[rng.integers(len(TOPICS))]}."
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": content}], add_generation_prompt=True
+        )
+        requests.append(RequestInput(list(ids), output_len))
+    return requests
 
 
 def arrival_times(n: int, request_rate: float, rng: np.random.Generator) -> np.ndarray:
@@ -541,10 +576,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (unset: --model-path)")
     p.add_argument(
         "--dataset-name",
-        choices=("random", "generated-shared-prefix", "multi-turn"),
+        choices=("random", "generated-shared-prefix", "multi-turn", "repeat", "chat"),
         default="random",
-        help="workload: random prompts; groups of questions sharing a system prompt (--gsp-*); or "
-        "conversations whose every turn resends the history (--mt-*)",
+        help="workload: random prompts; groups of questions sharing a system prompt (--gsp-*); "
+        "conversations whose every turn resends the history (--mt-*); or chat prompts (the model's chat "
+        "template) asking to repeat a paragraph (copy-heavy) or for a story (--num-prompts prompts, "
+        "--random-output-len tokens each)",
     )
     p.add_argument("--num-prompts", type=positive_int, default=100, help="number of requests (random)")
     p.add_argument("--random-input-len", type=positive_int, default=256, help="maximum prompt length L_in")
@@ -639,12 +676,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def workload_params(args: argparse.Namespace) -> dict[str, Any]:
     """The flags of the chosen workload, for the record."""
-    prefix = {"random": "random_", "generated-shared-prefix": "gsp_", "multi-turn": "mt_"}[args.dataset_name]
+    prefix = {"generated-shared-prefix": "gsp_", "multi-turn": "mt_"}.get(args.dataset_name, "random_")
     return {k: v for k, v in vars(args).items() if k.startswith(prefix)}
 
 
-def workload(args: argparse.Namespace, token_ids: np.ndarray) -> list[RequestInput]:
+def workload(args: argparse.Namespace, token_ids: np.ndarray, tokenizer) -> list[RequestInput]:
     rng = np.random.default_rng(args.seed)
+    if args.dataset_name in ("repeat", "chat"):
+        return sample_text_requests(
+            args.dataset_name, args.num_prompts, args.random_output_len, tokenizer, rng
+        )
     if args.dataset_name == "generated-shared-prefix":
         return sample_shared_prefix_requests(
             args.gsp_num_groups,
@@ -684,7 +725,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit("error: pass --model-path or --tokenizer (the served model id is not a directory)")
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     token_ids = prompt_token_ids(tokenizer)
-    requests = workload(args, token_ids)
+    requests = workload(args, token_ids, tokenizer)
     result: dict[str, Any] = {
         "backend": "dpserve",
         "base_url": base_url,

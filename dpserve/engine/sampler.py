@@ -3,6 +3,8 @@ top-k, top-p, min-p, per-request seeds; and the acceptance of speculative drafts
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import torch
 
 from dpserve.sampling_params import SamplingParams
@@ -33,10 +35,10 @@ def sample(
         starts.append(starts[-1] + 1 + len(d))
     argmax = logits.argmax(-1).tolist()
     sampled = [i for i, p in enumerate(params) if not p.greedy]
-    rows = [r for i in sampled for r in range(starts[i], starts[i + 1])]
+    rows = torch.tensor([r for i in sampled for r in range(starts[i], starts[i + 1])], device=logits.device)
     probs = (
         filtered_probs(logits[rows], [params[i] for i in sampled for _ in range(1 + len(drafts[i]))])
-        if rows
+        if sampled
         else None
     )
     tokens, offset = [], 0
@@ -52,11 +54,12 @@ def sample(
         else:
             noise = torch.empty_like(target[0]).exponential_(generator=generators[i])
             tokens.append([int((target[0] / noise).argmax())])
-    chosen = [
-        logprobs[torch.arange(starts[i], starts[i] + len(t)), torch.tensor(t)].tolist()
-        for i, t in enumerate(tokens)
-    ]
-    return tokens, chosen
+    # One gather for every emitted token: request i's j-th token sits on its row starts[i] + j.
+    dev = logits.device
+    at = torch.tensor([starts[i] + j for i, t in enumerate(tokens) for j in range(len(t))], device=dev)
+    chosen = logprobs[at, torch.tensor([x for t in tokens for x in t], device=dev)].tolist()
+    ends = list(accumulate(len(t) for t in tokens))
+    return tokens, [chosen[end - len(t) : end] for t, end in zip(tokens, ends, strict=True)]
 
 
 def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
