@@ -107,3 +107,24 @@ def test_mtp_reference_is_causal_and_consistent(mtp_dirs):
     assert 0.0 <= mtp_accuracy(mtp, [tokens]) <= 1.0
     assert layer.layer.mlp.__class__.__name__ == "DeepseekV3MoE"
     del model
+
+
+def test_trained_mtp_model():
+    """The trained tiny DeepSeek-V3 (cached; the first build trains it, about 1-2 minutes on 2 free cores)."""
+    from dpserve.testing.trained_mtp import FIRST_TOKEN, synthetic_sequences, trained_mtp_model
+
+    path = trained_mtp_model()
+    info = json.loads((path / "training.json").read_text())
+    assert json.loads((path / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()  # main model loads
+    held_out = synthetic_sequences(8, 64, seed=777)
+    accuracy = mtp_accuracy(path, held_out)
+    assert accuracy > 0.6, (accuracy, info)
+    # greedy generation continues the synthetic text and is not one repeated token
+    prompt = held_out[0][:20]
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=16)[0, 20:].tolist()
+    assert len(set(out)) > 4 and all(t >= FIRST_TOKEN for t in out), out
+    drafts = mtp_greedy_drafts(path, prompt, 16)
+    assert drafts.output_ids == out
+    assert drafts.accept_rate > 0.5, drafts
