@@ -187,7 +187,11 @@ def _train_and_save(out: Path) -> None:
         figures = evaluate(out)
     finally:
         torch.set_num_threads(threads)
-    info = {"train_seconds": round(train_s, 1), "final_loss": [float(main_loss), float(mtp_loss)], **figures}
+    info = {
+        "train_seconds": round(train_s, 1),
+        "final_loss": [round(main_loss.item(), 4), round(mtp_loss.item(), 4)],
+        **figures,
+    }
     info["settings"] = _settings()
     (out / "training.json").write_text(json.dumps(info, indent=2) + "\n")
 
