@@ -4,15 +4,23 @@ Everything is written through ``transformers`` itself (config class + ``save_pre
 tokenizer is trained offline with ``tokenizers``, so nothing is downloaded.
 
     python -m dpserve.testing.tiny_models --arch deepseek_v3 --out /tmp/tiny_v3
+    python -m dpserve.testing.tiny_models --arch deepseek_v3 --mtp --out /tmp/tiny_v3_mtp
+
+``--mtp`` (or the arch key ``deepseek_v3_mtp``) adds DeepSeek's multi-token-prediction (NextN) layer the
+way DeepSeek-V3 checkpoints carry it: ``num_nextn_predict_layers: 1`` in config.json and tensors under
+``model.layers.{num_hidden_layers}.`` (see :func:`add_mtp_layer`). transformers' ``DeepseekV3ForCausalLM``
+ignores them (it logs them as unexpected keys) and loads the main model unchanged.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     DeepseekV2Config,
@@ -165,19 +173,25 @@ _SPECS: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel], dict[str,
     "llama": (LlamaConfig, LlamaForCausalLM, _LLAMA),
     "deepseek_v2_mid": (DeepseekV2Config, DeepseekV2ForCausalLM, _DEEPSEEK_V2_MID),
 }
-ARCHS: tuple[str, ...] = tuple(_SPECS)
+MTP_ARCHS = {"deepseek_v3_mtp": "deepseek_v3"}  # arch keys that are another arch plus an MTP layer
+ARCHS: tuple[str, ...] = (*_SPECS, *MTP_ARCHS)
 
 
 def write_tiny_model(
-    arch: str, out_dir: str | Path, seed: int = 0, shard_size: str | int | None = None
+    arch: str, out_dir: str | Path, seed: int = 0, shard_size: str | int | None = None, mtp: bool = False
 ) -> Path:
     """Write a tiny random float32 checkpoint (config, safetensors, tokenizer) and return its directory.
 
     ``shard_size`` is passed to ``save_pretrained`` as ``max_shard_size`` (e.g. ``"20KB"``) to get a
-    sharded checkpoint with ``model.safetensors.index.json``.
+    sharded checkpoint with ``model.safetensors.index.json``. ``mtp=True`` (DeepSeek-V3 only; implied by
+    the arch key ``deepseek_v3_mtp``) adds one randomly initialized MTP layer, see :func:`add_mtp_layer`.
     """
+    if arch in MTP_ARCHS:
+        arch, mtp = MTP_ARCHS[arch], True
     if arch not in _SPECS:
         raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
+    if mtp and arch != "deepseek_v3":
+        raise ValueError(f"MTP layers are written for deepseek_v3 only, not {arch!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     build_tokenizer(out)
@@ -189,20 +203,130 @@ def write_tiny_model(
         pad_token_id=tokenizer.pad_token_id,
     )
     config_cls, model_cls, kwargs = _SPECS[arch]
+    if mtp:
+        kwargs = kwargs | {"num_mtp_layers": 1}  # saved as num_nextn_predict_layers
     init_std = INITIALIZER_RANGE * (64 / kwargs["hidden_size"]) ** 0.5
     config = config_cls(**kwargs, vocab_size=VOCAB_SIZE, initializer_range=init_std, **special_ids)
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
     generator = torch.Generator().manual_seed(seed)
-    for name, tensor in model.state_dict().items():  # detached views of the parameters and buffers
+    _randomize_norms_and_biases(model.state_dict(), generator)
+    model.generation_config = GenerationConfig(**special_ids)
+    save_kwargs: dict[str, Any] = {} if shard_size is None else {"max_shard_size": shard_size}
+    model.save_pretrained(str(out), **save_kwargs)
+    if mtp:
+        add_mtp_layer(out, mtp_layer_state_dict(model, init_std, generator))
+    return out
+
+
+def _randomize_norms_and_biases(state: dict[str, torch.Tensor], generator: torch.Generator) -> None:
+    for name, tensor in state.items():  # detached views of the parameters and buffers
         if name.endswith("norm.weight"):
             tensor.copy_(1.0 + NORM_WEIGHT_STD * torch.randn(tensor.shape, generator=generator))
         elif name.endswith("e_score_correction_bias"):  # non-zero so noaux_tc's bias term matters
             tensor.copy_(0.1 * torch.randn(tensor.shape, generator=generator))
-    model.generation_config = GenerationConfig(**special_ids)
-    save_kwargs: dict[str, Any] = {} if shard_size is None else {"max_shard_size": shard_size}
-    model.save_pretrained(str(out), **save_kwargs)
-    return out
+
+
+class MtpLayer(torch.nn.Module):
+    """DeepSeek-V3's MTP (NextN) module with its checkpoint names (relative to ``model.layers.{N}.``).
+
+    ``enorm``/``hnorm`` [hidden], ``eh_proj`` [hidden, 2*hidden] applied to ``cat(enorm(emb), hnorm(h))``,
+    a full decoder layer (its tensors sit directly under the prefix: ``self_attn.*``, ``mlp.*``, the two
+    layer norms), ``shared_head.norm`` [hidden]; ``embed_tokens`` and ``shared_head.head`` are copies of the
+    main model's embedding and LM head, as in DeepSeek's checkpoints. Layer index ``N`` is
+    ``num_hidden_layers``, which is >= ``first_k_dense_replace``, so the MLP is MoE like the main model's.
+    """
+
+    def __init__(self, config: DeepseekV3Config):
+        super().__init__()
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+            DeepseekV3DecoderLayer,
+            DeepseekV3RMSNorm,
+        )
+
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.enorm = DeepseekV3RMSNorm(hidden, eps=eps)
+        self.hnorm = DeepseekV3RMSNorm(hidden, eps=eps)
+        self.eh_proj = torch.nn.Linear(2 * hidden, hidden, bias=False)
+        self.layer = DeepseekV3DecoderLayer(config, layer_idx=config.num_hidden_layers)
+        self.shared_head_norm = DeepseekV3RMSNorm(hidden, eps=eps)
+
+    def checkpoint_state_dict(self, prefix: str) -> dict[str, torch.Tensor]:
+        """The module's tensors under DeepSeek's checkpoint names (without the shared embedding/head)."""
+        out = {}
+        for name, tensor in self.state_dict().items():
+            tensor = tensor.detach()
+            if name.startswith("layer."):
+                name = name.removeprefix("layer.")
+            elif name.startswith("shared_head_norm."):
+                name = "shared_head.norm." + name.removeprefix("shared_head_norm.")
+            # transformers keeps the experts fused ([E, 2I, H] gate|up, [E, H, I] down) but saves them per
+            # expert, as DeepSeek's checkpoints have them: experts.{e}.{gate,up,down}_proj.weight.
+            if name == "mlp.experts.gate_up_proj":
+                gate, up = tensor.chunk(2, dim=1)
+                for e in range(tensor.shape[0]):
+                    out[f"{prefix}mlp.experts.{e}.gate_proj.weight"] = gate[e].contiguous()
+                    out[f"{prefix}mlp.experts.{e}.up_proj.weight"] = up[e].contiguous()
+            elif name == "mlp.experts.down_proj":
+                for e in range(tensor.shape[0]):
+                    out[f"{prefix}mlp.experts.{e}.down_proj.weight"] = tensor[e].contiguous()
+            else:
+                out[prefix + name] = tensor.contiguous()
+        return out
+
+
+def mtp_layer_state_dict(
+    model: PreTrainedModel, init_std: float, generator: torch.Generator, mtp: MtpLayer | None = None
+) -> dict[str, torch.Tensor]:
+    """Checkpoint tensors of one MTP layer for ``model``, keyed ``model.layers.{num_hidden_layers}.*``.
+
+    Without ``mtp`` a new one is randomly initialized like the main model (weights N(0, init_std), norm
+    weights 1 + N(0, 0.1), non-zero expert score bias); with ``mtp`` (e.g. a trained one) its weights are
+    written. The embedding and LM head copies come from ``model``.
+    """
+    config = model.config
+    if mtp is None:
+        mtp = MtpLayer(config).to(torch.float32)
+        state = mtp.state_dict()
+        with torch.no_grad():
+            for tensor in state.values():
+                if tensor.is_floating_point():
+                    tensor.copy_(init_std * torch.randn(tensor.shape, generator=generator))
+            _randomize_norms_and_biases(state, generator)
+    prefix = f"model.layers.{config.num_hidden_layers}."
+    tensors = mtp.checkpoint_state_dict(prefix)
+    tensors[prefix + "embed_tokens.weight"] = model.get_input_embeddings().weight.detach().clone()
+    tensors[prefix + "shared_head.head.weight"] = model.get_output_embeddings().weight.detach().clone()
+    return tensors
+
+
+def add_mtp_layer(model_dir: str | Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Add MTP tensors to a saved checkpoint and set ``num_nextn_predict_layers: 1`` in its config.json.
+
+    Single-file checkpoints get them appended to ``model.safetensors`` (transformers reads only that file
+    when there is no index); sharded ones get a new shard ``model-mtp.safetensors`` listed in the index.
+    """
+    out = Path(model_dir)
+    config_path = out / "config.json"
+    config = json.loads(config_path.read_text())
+    config.pop("num_mtp_layers", None)
+    config["num_nextn_predict_layers"] = 1
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    tensors = {name: t.to(torch.float32).contiguous() for name, t in tensors.items()}
+    index_path = out / "model.safetensors.index.json"
+    if index_path.exists():
+        index = json.loads(index_path.read_text())
+        shard = "model-mtp.safetensors"
+        save_file(tensors, str(out / shard), metadata={"format": "pt"})
+        index["weight_map"].update(dict.fromkeys(tensors, shard))
+        meta = index.setdefault("metadata", {})
+        meta["total_size"] = int(meta.get("total_size", 0)) + sum(
+            t.numel() * t.element_size() for t in tensors.values()
+        )
+        index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    else:
+        path = out / "model.safetensors"
+        save_file(load_file(str(path)) | tensors, str(path), metadata={"format": "pt"})
 
 
 def main() -> None:
@@ -216,8 +340,9 @@ def main() -> None:
         default=None,
         help="shard the safetensors file at this size, e.g. 20KB (default: a single file)",
     )
+    parser.add_argument("--mtp", action="store_true", help="add an MTP (NextN) layer (deepseek_v3 only)")
     args = parser.parse_args()
-    print(write_tiny_model(args.arch, args.out, seed=args.seed, shard_size=args.max_shard_size))
+    print(write_tiny_model(args.arch, args.out, seed=args.seed, shard_size=args.max_shard_size, mtp=args.mtp))
 
 
 if __name__ == "__main__":
