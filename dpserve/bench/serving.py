@@ -182,9 +182,8 @@ def sample_text_requests(
             content = "Repeat this paragraph word for word:\n\n" + PARAGRAPHS[rng.integers(len(PARAGRAPHS))]
         else:
             content = f"Write a short story about {TOPICS[rng.integers(len(TOPICS))]}."
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": content}], add_generation_prompt=True
-        )
+        messages = [{"role": "user", "content": content}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
         requests.append(RequestInput(list(ids), output_len))
     return requests
 
