@@ -130,7 +130,8 @@ class ModelRunner:
         return int(peak)
 
     def can_use_graph(self, plan: StepPlan) -> bool:
-        """Whether this group's batch fits a padded decode graph (decode or idle, KV short enough)."""
+        """Whether this group's batch can be padded to a bucket: decode or idle (a captured graph on
+        the GPU), or verify on the CPU; every request's KV short enough for the backend's graphs."""
         if plan.mode == "extend" or not self.cfg.graph_buckets:
             return False
         if plan.mode == "verify" and self.graphs is not None:

@@ -43,7 +43,7 @@ logger = logging.getLogger("dpserve.worker")
 class StepRecord:
     """One forward step as a group leader saw it (the accounting behind benchmarks)."""
 
-    kind: str  # "extend" if any group prefilled, else "decode"
+    kind: str  # the largest mode over the groups: extend, verify (speculative drafts), decode
     local_mode: str  # this group's mode: extend, decode or idle
     padding_mode: str  # sum_len or max_len
     tokens: tuple[int, ...]  # real tokens of every DP group

@@ -28,6 +28,8 @@ from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, GenerationConf
 
 from dpserve.models.gguf import cache_root
 from dpserve.testing.tiny_models import (
+    _DEEPSEEK_V3,
+    _ROPE_DEFAULT,
     SPECIAL_TOKENS,
     VOCAB_SIZE,
     MtpLayer,
@@ -43,30 +45,12 @@ MODULUS = 50
 STEPS = (1, 2, 3, 5, 7, -1, -2, -3)
 SEGMENT_LEN = (8, 24)
 
-MODEL = dict(
-    hidden_size=64,
+# The tiny DeepseekV3 of tiny_models, smaller, with plain RoPE and an MTP layer.
+MODEL = _DEEPSEEK_V3 | dict(
     num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    q_lora_rank=32,
-    kv_lora_rank=32,
-    qk_nope_head_dim=16,
-    qk_rope_head_dim=8,
-    v_head_dim=16,
-    intermediate_size=128,
-    moe_intermediate_size=32,
-    n_routed_experts=8,
-    num_experts_per_tok=2,
-    n_shared_experts=1,
-    first_k_dense_replace=1,
     n_group=2,
     topk_group=1,
-    norm_topk_prob=True,
-    routed_scaling_factor=2.5,
-    max_position_embeddings=512,
-    tie_word_embeddings=False,
-    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-    rope_interleave=True,
+    rope_parameters=_ROPE_DEFAULT,
     initializer_range=0.05,
     num_mtp_layers=1,
 )
