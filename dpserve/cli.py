@@ -142,9 +142,12 @@ def add_engine_args(p: argparse.ArgumentParser, log_level: str = "info") -> None
         "--speculative-algorithm",
         default=None,
         choices=SPECULATIVE_ALGORITHMS,
-        help="NGRAM: each decoding request proposes the tokens that followed the latest earlier "
-        "occurrence of its last tokens (prompt lookup, no draft model); the model verifies them in one "
-        "step and keeps the longest prefix it agrees with (exactly its own output)",
+        help="NEXTN: DeepSeek's MTP layer (in DeepSeek-V3/R1 checkpoints) drafts a chain of "
+        "--speculative-num-steps tokens after every step; NGRAM: each decoding request proposes the "
+        "tokens that followed the latest earlier occurrence of its last tokens (prompt lookup, no "
+        "draft model). The model verifies the drafts in one step and keeps the longest prefix it "
+        "agrees with (greedy: exactly its own output; sampling: rejection sampling, the same "
+        "distribution)",
     )
     spec.add_argument(
         "--speculative-num-steps", type=positive_int, default=3, help="draft tokens per request and step"

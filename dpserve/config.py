@@ -9,7 +9,7 @@ from dpserve.memory import DEFAULT_MEM_FRACTION_STATIC
 
 PADDING_MODES = ("auto", "sum_len", "max_len")
 ATTENTION_BACKENDS = ("auto", "triton", "sdpa")
-SPECULATIVE_ALGORITHMS = ("NGRAM",)
+SPECULATIVE_ALGORITHMS = ("NEXTN", "NGRAM")
 DEFAULT_CUDA_GRAPH_MAX_BS = 128
 
 
@@ -53,7 +53,8 @@ class EngineConfig:
     cuda_graph_bs: list[int] | None = None  # explicit decode buckets; overrides cuda_graph_max_bs
     disable_cuda_graph: bool = False  # decode eagerly without padding (on the CPU: no padded path)
     disable_radix_cache: bool = False  # no prefix cache: every prompt is prefilled whole
-    speculative_algorithm: str | None = None  # NGRAM: drafts by prompt lookup, verified in one step
+    # NEXTN: drafts by DeepSeek's MTP layer; NGRAM: by prompt lookup; verified in one step
+    speculative_algorithm: str | None = None
     speculative_num_steps: int = 3  # draft tokens proposed per request and step (a chain)
     speculative_num_draft_tokens: int | None = None  # tokens verified per request: num_steps + 1 (chains)
     random_seed: int = 0

@@ -22,6 +22,8 @@ def load_model(cfg: EngineConfig) -> ModelConfig:
     """Reads and checks the model config against the layout, before any process starts."""
     model_cfg = ModelConfig.load(cfg.model_path)
     model_cfg.validate(cfg.rank_topology(0)[1])
+    if cfg.speculative_algorithm == "NEXTN":
+        model_cfg.check_mtp()
     return model_cfg
 
 

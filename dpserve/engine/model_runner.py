@@ -16,6 +16,7 @@ from dpserve.attention import make_backend
 from dpserve.attention.backend import AttentionMetadata
 from dpserve.config import EngineConfig
 from dpserve.distributed import Groups
+from dpserve.engine.drafter import NextNDrafter
 from dpserve.engine.graph_runner import CudaGraphRunner
 from dpserve.engine.padding import PaddingPlanner, calibrate
 from dpserve.kvcache.pool import KVPool
@@ -45,7 +46,8 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                self.model = build_model(model_cfg, groups, make_backend(cfg.attention_backend))
+                backend = make_backend(cfg.attention_backend)
+                self.model = build_model(model_cfg, groups, backend, mtp=cfg.speculative_algorithm == "NEXTN")
         finally:
             torch.set_default_dtype(previous)
         reader = CheckpointReader(cfg.model_path, self.dtype)
@@ -54,7 +56,9 @@ class ModelRunner:
         self.model.to(self.device)
         self.weight_bytes = param_bytes(self.model)
         shapes = self.model.kv_entry_shapes()
-        self.kv_bytes_per_token = KVPool.bytes_per_token(model_cfg.num_layers, shapes, self.dtype)
+        # NEXTN's MTP layer keeps KV for every token too (in the drafter's pool).
+        kv_layers = model_cfg.num_layers + (self.model.mtp is not None)
+        self.kv_bytes_per_token = KVPool.bytes_per_token(kv_layers, shapes, self.dtype)
         # Pool slot of every position of every running request, kept alike on every rank of the group:
         # each step writes only its new slots (row 0 stays zero for padded rows).
         self.req_to_token = torch.zeros(
@@ -63,6 +67,7 @@ class ModelRunner:
         self.activation_bytes = 0
         self.slots_written = 0  # request-to-slot entries the last step wrote
         self.forward_seconds = 0.0  # the model's part of the last step (the rest is host work)
+        self.hidden: torch.Tensor | None = None  # the last step's hidden states (NEXTN drafts from them)
         local_tokens = self._kv_capacity(shapes)
         # Every rank of the instance takes the smallest pool, so the ranks of a group hold the same.
         self.max_total_num_tokens = agree_min(local_tokens, groups.world_cpu)
@@ -85,6 +90,7 @@ class ModelRunner:
         self.graphs = CudaGraphRunner(self) if cfg.device == "cuda" and cfg.graph_buckets else None
         if cfg.dp_padding_mode == "auto" and self.topo.dp_size > 1:
             self.planner.cost = calibrate(self._idle_step, self.topo, self.device, groups.world_cpu)
+        self.drafter = NextNDrafter(self, cfg.speculative_num_steps) if self.model.mtp is not None else None
 
     def _kv_capacity(self, shapes: list[tuple[int, ...]]) -> int:
         """This rank's pool size from dpserve.memory (the planner predicts it with the same calls)."""
@@ -146,7 +152,8 @@ class ModelRunner:
         """Runs the model on this group's plan (possibly empty); returns logits of sampled rows."""
         batch = self._batch(plan, step)
         start = time.perf_counter()
-        logits = self.model.compute_logits(self._hidden(batch), batch)
+        self.hidden = self._hidden(batch)
+        logits = self.model.compute_logits(self.hidden, batch)
         if logits.is_cuda:
             torch.cuda.synchronize(self.device)
         self.forward_seconds = time.perf_counter() - start

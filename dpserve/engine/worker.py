@@ -29,7 +29,7 @@ from dpserve.distributed import all_gather_ints, broadcast_object, init_groups
 from dpserve.engine.model_runner import ModelRunner
 from dpserve.engine.sampler import sample
 from dpserve.models.config import ModelConfig
-from dpserve.scheduler.plan import MODES, GroupStep, StepPlan
+from dpserve.scheduler.plan import MODES, DraftCounts, GroupStep, StepPlan
 from dpserve.scheduler.request import GenerateRequest
 from dpserve.scheduler.scheduler import Scheduler
 
@@ -53,7 +53,8 @@ class StepRecord:
     graph: bool  # padded to a graph bucket (a CUDA graph replay on GPU); False: eager
     retractions: int = 0  # requests this group retracted to make room for the step
     slots_written: int = 0  # request-to-slot table entries this group wrote (host work of the step)
-    forward_seconds: float = 0.0  # the model's share of `seconds`; the rest is host work
+    forward_seconds: float = 0.0  # the model's share of `seconds` (without drafting); the rest is host work
+    draft_seconds: float = 0.0  # NEXTN: the MTP forwards after the step (part of `seconds`)
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,7 @@ def _serve(rank: int, cfg: EngineConfig, addrs: WorkerAddresses, ctx: zmq.Contex
             radix_cache=not cfg.disable_radix_cache,
             device=runner.device,
             num_drafts=cfg.num_drafts,
+            speculative_algorithm=cfg.speculative_algorithm or "NGRAM",
         )
         requests = ctx.socket(zmq.PULL)
         requests.connect(addrs.requests[dp_rank])
@@ -166,14 +168,16 @@ def _serve(rank: int, cfg: EngineConfig, addrs: WorkerAddresses, ctx: zmq.Contex
                 can_pad=all(g.can_pad for g in group_steps),
             )
             logits = runner.forward(plan, step)
+        if not idle and scheduler is not None and plan.reqs:
+            tokens, logprobs = (
+                sample(logits, *scheduler.sampling_inputs()) if plan.num_logit_rows else ([], [])
+            )
+            report.add(*scheduler.process_samples(tokens, logprobs))
+        if not idle and runner.drafter is not None:
+            _draft(runner, scheduler, leader_rank)
         if scheduler is None:
             continue
         if not idle:
-            if plan.reqs:
-                tokens, logprobs = (
-                    sample(logits, *scheduler.sampling_inputs()) if plan.num_logit_rows else ([], [])
-                )
-                report.add(*scheduler.process_samples(tokens, logprobs))
             steps["steps_graph" if step.graph else "steps_eager"] += 1
             step_log.append(
                 StepRecord(
@@ -188,6 +192,7 @@ def _serve(rank: int, cfg: EngineConfig, addrs: WorkerAddresses, ctx: zmq.Contex
                     graph=step.graph,
                     retractions=scheduler.step_retractions,
                     slots_written=runner.slots_written,
+                    draft_seconds=runner.drafter.seconds if runner.drafter else 0.0,
                 )
             )
         if report.changed or plan.reqs:
@@ -195,6 +200,18 @@ def _serve(rank: int, cfg: EngineConfig, addrs: WorkerAddresses, ctx: zmq.Contex
     logger.info("shutting down")
     if groups.world is not None:
         torch.distributed.destroy_process_group()
+
+
+def _draft(runner: ModelRunner, scheduler: Scheduler | None, leader_rank: int) -> None:
+    """NEXTN: every rank runs the MTP forwards after a step (its group's rows from the leader's
+    draft plan, every group's sizes all-gathered); the leader keeps the drafts for the next step."""
+    groups, topo = runner.groups, runner.topo
+    plan = broadcast_object(scheduler.draft_plan if scheduler else None, leader_rank, groups.attn_tp_cpu)
+    local = plan.counts(runner.drafter.num_steps, runner.model_cfg.context_len)
+    rows = all_gather_ints(local.to_ints(), groups.world_cpu)[:: topo.attn_tp_size].tolist()
+    drafts = runner.drafter.run(plan, [DraftCounts.from_ints(r) for r in rows])
+    if scheduler is not None:
+        scheduler.set_drafts(drafts)
 
 
 class StepReport:

@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
 from dpserve.attention.backend import AttentionBackend
-from dpserve.distributed import Groups
+from dpserve.distributed import Groups, Topology
 from dpserve.kvcache.pool import KVPool
-from dpserve.layers.dp_attention import DPAttentionComm
+from dpserve.layers.dp_attention import DPAttentionComm, DPStep
 from dpserve.layers.mlp import MLP, MoE
 from dpserve.layers.norm import RMSNorm
 from dpserve.models.batch import ForwardBatch
 from dpserve.models.checkpoint import CheckpointReader
 from dpserve.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from dpserve.models.mtp import MTPLayer
 
 
 class DecoderLayer(nn.Module):
@@ -35,6 +40,12 @@ class DecoderLayer(nn.Module):
         mlp_partial = self.mlp(self.post_attention_layernorm(global_rows))
         return self.comm.scatter(mlp_partial, residual, batch.step, batch.row_index)
 
+    def load(self, r: CheckpointReader, prefix: str, topo: Topology) -> None:
+        self.input_layernorm.weight.data.copy_(r.get(f"{prefix}.input_layernorm.weight"))
+        self.post_attention_layernorm.weight.data.copy_(r.get(f"{prefix}.post_attention_layernorm.weight"))
+        self.self_attn.load(r, f"{prefix}.self_attn")
+        self.mlp.load(r, f"{prefix}.mlp", topo.rank, topo.tp_size)
+
 
 class CausalLM(nn.Module):
     """Replicated embedding; LM head vocabulary-parallel over WORLD (vocab padded, never cut)."""
@@ -46,6 +57,7 @@ class CausalLM(nn.Module):
         comm: DPAttentionComm,
         layers: list[DecoderLayer],
         backend: AttentionBackend,
+        mtp: MTPLayer | None = None,
     ):
         super().__init__()
         self.cfg, self.groups, self.comm, self.attn_backend = cfg, groups, comm, backend
@@ -56,6 +68,7 @@ class CausalLM(nn.Module):
         t = groups.topo.tp_size
         self.vocab_shard = -(-cfg.vocab_size // t)
         self.lm_head = nn.Parameter(torch.empty(self.vocab_shard, cfg.hidden_size), requires_grad=False)
+        self.mtp = mtp  # the NEXTN draft layer, when speculation asks for it
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
@@ -74,10 +87,25 @@ class CausalLM(nn.Module):
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Final norm and the vocabulary-parallel LM head on the rows to sample."""
-        rows = self.norm(hidden[batch.logit_idx])
-        rows = self.comm.gather_logit_rows(rows, batch.step)
+        return self.lm_head_logits(self.norm(hidden[batch.logit_idx]), batch.step)
+
+    def lm_head_logits(self, rows: torch.Tensor, step: DPStep) -> torch.Tensor:
+        """Full-vocabulary logits (float32) of this group's normed `rows` (`step.logit_rows` of them)."""
+        rows = self.comm.gather_logit_rows(rows, step)
         shard = F.linear(rows, self.lm_head).float()  # [every group's rows, vocab_shard]
-        return self.comm.scatter_logits(shard, batch.step)[:, : self.cfg.vocab_size]
+        return self.comm.scatter_logits(shard, step)[:, : self.cfg.vocab_size]
+
+    @torch.no_grad()
+    def draft(
+        self, hidden: torch.Tensor, batch: ForwardBatch, pool: KVPool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One MTP step over this group's rows (`batch.input_ids`: the token after each row's
+        position, `hidden`: the hidden state paired with it); returns (logits, the MTP's normed
+        output) of the rows in `batch.logit_idx`, the hidden state a chain feeds its next step."""
+        self.attn_backend.prepare(batch.attn)
+        out = self.mtp(self.embed_tokens(batch.input_ids), hidden, batch, pool)
+        rows = self.mtp.shared_head_norm(out[batch.logit_idx])
+        return self.lm_head_logits(rows, batch.step), rows
 
     def load_weights(self, r: CheckpointReader, show_progress: bool) -> None:
         cfg, topo = self.cfg, self.groups.topo
@@ -90,11 +118,9 @@ class CausalLM(nn.Module):
             list(enumerate(self.layers)), desc="Loading weights", unit="layer", disable=not show_progress
         )
         for i, layer in layers:
-            p = f"model.layers.{i}"
-            layer.input_layernorm.weight.data.copy_(r.get(f"{p}.input_layernorm.weight"))
-            layer.post_attention_layernorm.weight.data.copy_(r.get(f"{p}.post_attention_layernorm.weight"))
-            layer.self_attn.load(r, f"{p}.self_attn")
-            layer.mlp.load(r, f"{p}.mlp", topo.rank, topo.tp_size)
+            layer.load(r, f"model.layers.{i}", topo)
+        if self.mtp is not None:  # DeepSeek's checkpoints put it after the last decoder layer
+            self.mtp.load(r, f"model.layers.{cfg.num_layers}", topo)
 
     def kv_entry_shapes(self) -> list[tuple[int, ...]]:
         return self.layers[0].self_attn.kv_entry_shapes()

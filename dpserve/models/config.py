@@ -7,9 +7,11 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from dpserve.distributed import Topology
+from dpserve.models.checkpoint import CheckpointReader
 
 MLA_ARCHS = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 SUPPORTED_ARCHS = (*MLA_ARCHS, "LlamaForCausalLM")
@@ -28,6 +30,8 @@ class ModelConfig:
     context_len: int
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
+    path: str = ""
+    num_mtp_layers: int = 0  # DeepSeek's num_nextn_predict_layers: MTP layers after the decoder layers
 
     @property
     def is_mla(self) -> bool:
@@ -61,6 +65,8 @@ class ModelConfig:
             context_len=hf.max_position_embeddings,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             eos_token_ids=_eos_ids(Path(model_path), hf),
+            path=str(model_path),
+            num_mtp_layers=getattr(hf, "num_nextn_predict_layers", None) or 0,
         )
 
     def validate(self, topo: Topology) -> None:
@@ -84,6 +90,21 @@ class ModelConfig:
         for name, size in sizes.items():
             if size % t:
                 raise ValueError(f"{name}={size} is not divisible by tp_size={t} {layout}")
+
+    def check_mtp(self) -> None:
+        """Raises ValueError unless the checkpoint carries an MTP layer that NEXTN can draft with."""
+        if not self.is_mla or self.num_mtp_layers < 1:
+            raise ValueError(
+                f"speculative_algorithm NEXTN drafts with DeepSeek's MTP layer, but {self.path} ({self.arch}) "
+                f"has num_nextn_predict_layers={self.num_mtp_layers}; use a DeepSeek-V3/R1 checkpoint with "
+                "its MTP weights, or speculative_algorithm NGRAM"
+            )
+        name = f"model.layers.{self.num_layers}.eh_proj.weight"
+        if name not in CheckpointReader(self.path, torch.float32).file_of:
+            raise ValueError(
+                f"{self.path}: config.json has num_nextn_predict_layers={self.num_mtp_layers} but the "
+                f"checkpoint has no {name} (its MTP weights were left out)"
+            )
 
 
 def _eos_ids(model_path: Path, hf: PretrainedConfig) -> tuple[int, ...]:

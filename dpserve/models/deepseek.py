@@ -102,9 +102,11 @@ class MLAAttention(nn.Module):
 
 
 def build_deepseek_layers(
-    cfg: ModelConfig, topo: Topology, backend: AttentionBackend
+    cfg: ModelConfig, topo: Topology, backend: AttentionBackend, mtp: bool = False
 ) -> list[tuple[nn.Module, nn.Module]]:
-    hf, t = cfg.hf, topo.tp_size
+    """The decoder layers' (attention, MLP) pairs; `mtp` appends the MTP layer's pair (model layer
+    `num_layers`, whose KV lives in a pool of its own: KV layer 0)."""
+    hf = cfg.hf
     if cfg.arch == "DeepseekV3ForCausalLM":
         defaults = {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}
     else:
@@ -115,13 +117,23 @@ def build_deepseek_layers(
     interleaved = getattr(hf, "rope_interleave", True)
     rope = dict(hf.rope_parameters or {})
     rotary = RotaryEmbedding(hf.qk_rope_head_dim, cfg.context_len, rope, interleaved)
-    layers = []
-    for i in range(cfg.num_layers):
-        attn = MLAAttention(cfg, topo, i, backend, rotary)
-        if hf.n_routed_experts and i >= hf.first_k_dense_replace:
-            shared = hf.moe_intermediate_size * (hf.n_shared_experts or 0)
-            mlp = MoE(hf, hf.moe_intermediate_size // t, shared // t)
-        else:
-            mlp = MLP(cfg.hidden_size, hf.intermediate_size // t)
-        layers.append((attn, mlp))
+    layers = [_layer(cfg, topo, backend, rotary, i, kv_layer=i) for i in range(cfg.num_layers)]
+    if mtp:
+        layers.append(_layer(cfg, topo, backend, rotary, cfg.num_layers, kv_layer=0))
     return layers
+
+
+def _layer(
+    cfg: ModelConfig,
+    topo: Topology,
+    backend: AttentionBackend,
+    rotary: RotaryEmbedding,
+    index: int,
+    kv_layer: int,
+) -> tuple[nn.Module, nn.Module]:
+    hf, t = cfg.hf, topo.tp_size
+    attn = MLAAttention(cfg, topo, kv_layer, backend, rotary)
+    if hf.n_routed_experts and index >= hf.first_k_dense_replace:
+        shared = hf.moe_intermediate_size * (hf.n_shared_experts or 0)
+        return attn, MoE(hf, hf.moe_intermediate_size // t, shared // t)
+    return attn, MLP(cfg.hidden_size, hf.intermediate_size // t)

@@ -3,6 +3,7 @@
 `StepPlan`: what a group leader's scheduler decides and broadcasts inside its group (ATTN_TP).
 `GroupStep`: the few numbers every group then all-gathers over WORLD, from which every rank
 derives the step's layout (padding mode, graph bucket) identically.
+`DraftPlan` / `DraftCounts`: the same pair for the MTP forwards NEXTN runs after each step.
 """
 
 from __future__ import annotations
@@ -68,3 +69,59 @@ class GroupStep:
         return cls(
             *(bool(v) if f.type == "bool" else int(v) for f, v in zip(fields(cls), values, strict=True))
         )
+
+
+@dataclass
+class DraftReq:
+    """One request's rows of the MTP forwards that follow a step (NEXTN). Row p pairs the step's
+    hidden state at position p with the token at p + 1, for every position the step kept (prefilled,
+    or verified and accepted), so the MTP layer's KV matches the main model's."""
+
+    row: int  # the request's row of the request-to-slot table
+    start: int  # position of its first new token in the step
+    offset: int  # index of that token among the step's rows
+    next_tokens: list[int]  # the token after each kept position
+    draft: bool  # still decoding: its last row starts a chain of drafts
+
+    @property
+    def end(self) -> int:
+        """One past its last kept position: the position of the token the step produced."""
+        return self.start + len(self.next_tokens)
+
+    def chain_len(self, num_steps: int, context_len: int) -> int:
+        """Chained MTP steps after the first (step j sits at position end - 1 + j)."""
+        return max(0, min(num_steps - 1, context_len - self.end)) if self.draft else 0
+
+
+@dataclass
+class DraftPlan:
+    reqs: list[DraftReq] = field(default_factory=list)
+
+    @property
+    def drafting(self) -> list[DraftReq]:
+        return [r for r in self.reqs if r.draft]
+
+    def counts(self, num_steps: int, context_len: int) -> DraftCounts:
+        chains = [r.chain_len(num_steps, context_len) for r in self.reqs]
+        return DraftCounts(
+            tokens=sum(len(r.next_tokens) for r in self.reqs),
+            drafting=len(self.drafting),
+            chain=tuple(sum(c >= j for c in chains) for j in range(1, num_steps)),
+        )
+
+
+@dataclass(frozen=True)
+class DraftCounts:
+    """One DP group's rows in each MTP forward after a step, all-gathered as ints over WORLD: every
+    group runs the same forwards (1 + num_steps - 1), an idle one with zero rows."""
+
+    tokens: int  # rows of the first forward (every kept position)
+    drafting: int  # requests drafting: the first forward's logit rows
+    chain: tuple[int, ...]  # rows of each chained forward
+
+    def to_ints(self) -> list[int]:
+        return [self.tokens, self.drafting, *self.chain]
+
+    @classmethod
+    def from_ints(cls, values: list[int]) -> DraftCounts:
+        return cls(values[0], values[1], tuple(values[2:]))

@@ -39,6 +39,7 @@ class Req:
     cached_len: int = 0
     dup_slots: list[int] = field(default_factory=list)  # own copies of tokens the tree also holds
     drafts: list[int] = field(default_factory=list)  # speculative tokens verified in this step
+    proposed: list[int] = field(default_factory=list)  # NEXTN: the MTP's drafts for its next step
     # Accounting:
     cached_tokens: int | None = None  # prompt tokens found in the cache at first admission
     retractions: int = 0

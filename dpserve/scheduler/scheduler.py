@@ -11,10 +11,13 @@ by prefilling prompt + generated tokens, so its output is unchanged. A request r
 so every request finishes.
 
 Each step prefills up to `chunk_size` prompt tokens (continuing a chunked prompt first), and
-every request already decoding rides along with one token. With speculative decoding (NGRAM),
-a decoding request also feeds up to `num_drafts` proposed tokens, from the slots the step leaves
-spare (speculation never retracts anyone); the model verifies them in the same step, and the
-slots of the drafts it rejects are freed at once.
+every request already decoding rides along with one token. With speculative decoding, a
+decoding request also feeds up to `num_drafts` proposed tokens (NGRAM: prompt lookup; NEXTN: the
+MTP layer's chain from the previous step), from the slots the step leaves spare (speculation
+never retracts anyone); the model verifies them in the same step, and the slots of the drafts it
+rejects are freed at once. With NEXTN a prefix-cache hit leaves its last token to recompute: the
+MTP layer pairs a position's hidden state with the token after it, so the hit's last position
+needs its hidden state, which the cache does not keep.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import torch
 
 from dpserve.kvcache.pool import SlotAllocator
 from dpserve.kvcache.radix_cache import RadixTree
-from dpserve.scheduler.plan import ReqStep, StepPlan
+from dpserve.scheduler.plan import DraftPlan, DraftReq, ReqStep, StepPlan
 from dpserve.scheduler.request import GenerateRequest, Req, check_request, max_kv_len
 from dpserve.speculative.ngram import propose_ngram
 
@@ -53,9 +56,12 @@ class Scheduler:
         seed: int,
         radix_cache: bool = True,
         device: torch.device | str = "cpu",  # where sampling draws its noise (the logits' device)
-        num_drafts: int = 0,  # speculative (NGRAM) tokens per decoding request and step; 0: off
+        num_drafts: int = 0,  # speculative tokens per decoding request and step; 0: off
+        speculative_algorithm: str = "NGRAM",  # NGRAM or NEXTN (drafts handed in by `set_drafts`)
     ):
         self.dp_rank, self.device, self.num_drafts = dp_rank, torch.device(device), num_drafts
+        self.nextn = num_drafts > 0 and speculative_algorithm == "NEXTN"
+        self.draft_plan = DraftPlan()  # NEXTN: the MTP forwards after the last step
         self.kv_capacity = kv_capacity
         self.max_running, self.chunk_size = max_running, chunk_size
         self.context_len, self.vocab_size = context_len, vocab_size
@@ -68,6 +74,7 @@ class Scheduler:
         self.running: list[Req] = []
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self._step_reqs: list[Req] = []  # the last plan's requests, in its order
+        self._plan = StepPlan()  # the last plan
         self._prefilled: list[Req] = []  # those of them that prefilled
         self.counters = dict.fromkeys(
             (
@@ -110,6 +117,8 @@ class Scheduler:
         self.step_retractions = 0
         decoding = self._make_room([r for r in self.running if r.prefill_done])
         plan, self._step_reqs, self._prefilled = StepPlan(), [], []
+        self._plan = plan
+        self.draft_plan = DraftPlan()
         budget = self.chunk_size
         for req in [r for r in self.running if not r.prefill_done]:  # a chunked prompt continues first
             budget -= self._add_chunk(plan, req, budget, reserved=len(decoding))
@@ -152,7 +161,7 @@ class Scheduler:
         n = min(self.num_drafts, spare, req.remaining_new_tokens - 1)
         if n <= 0:
             return []
-        drafts = propose_ngram(req.fill_ids, n)
+        drafts = req.proposed[:n] if self.nextn else propose_ngram(req.fill_ids, n)
         self.counters["spec_draft_tokens"] += len(drafts)
         return drafts
 
@@ -197,6 +206,8 @@ class Scheduler:
             # At least one token is left to prefill: its logits give the next token.
             cached, node, _ = self.tree.match_prefix(req.fill_ids[: req.prefill_len - 1])
             self.tree.lock(node)
+            if self.nextn:
+                cached = cached[:-1]  # recomputed for its hidden state (the MTP layer's input)
         others = sum(self._estimate(r) for r in self.running) + reserved
         if self.available - others < req.prefill_len - len(cached) + self._estimate_decode(req):
             if node is not None:
@@ -265,6 +276,7 @@ class Scheduler:
             self.allocator.free(req.slots)
         self.free_rows.append(req.row)
         req.row, req.slots, req.node, req.cached_len, req.dup_slots = 0, [], None, 0, []
+        req.proposed = []
 
     def _cache(self, req: Req) -> None:
         """Puts the request's KV into the prefix cache and locks it there instead of its old node."""
@@ -301,6 +313,7 @@ class Scheduler:
         if self.tree is not None:
             for req in self._prefilled:
                 self._cache(req)
+        rows = [r.row for r in self._plan.reqs]  # before finished requests give theirs back
         new, finished = [], []
         for req, toks, lps in zip(self._sampled(), tokens, logprobs, strict=True):
             reason, emitted = None, 0
@@ -322,7 +335,25 @@ class Scheduler:
             if reason is not None:
                 finished.append(self._finish(req, reason))
         self.counters["generated_tokens"] += len(new)
+        if self.nextn:
+            self._plan_drafts(rows)
         return new, finished
+
+    def _plan_drafts(self, rows: list[int]) -> None:
+        """The MTP rows after this step: every position it kept, paired with the token after it."""
+        self.draft_plan, offset = DraftPlan(), 0
+        for req, step, row in zip(self._step_reqs, self._plan.reqs, rows, strict=True):
+            kept = min(len(step.tokens), req.seq_len - 1 - step.start)
+            next_tokens = req.fill_ids[step.start + 1 : step.start + 1 + kept]
+            draft = req.row > 0 and req.prefill_done  # running and decoding next
+            self.draft_plan.reqs.append(DraftReq(row, step.start, offset, next_tokens, draft))
+            offset += len(step.tokens)
+
+    def set_drafts(self, drafts: list[list[int]]) -> None:
+        """NEXTN: the chains the MTP layer drafted for `draft_plan`'s drafting requests, in order."""
+        reqs = [r for r in self._step_reqs if r.row > 0 and r.prefill_done]
+        for req, chain in zip(reqs, drafts, strict=True):
+            req.proposed = chain
 
     def stats(self) -> dict:
         """Load and cache figures of this DP group, for routing and /metrics."""

@@ -1,0 +1,137 @@
+"""NEXTN speculative decoding (DeepSeek's MTP layer drafts) through the engine under DP attention, on the
+trained tiny DeepSeek-V3: greedy outputs identical to transformers in every layout, the drafts equal to
+the pure-torch MTP reference step by step (prefix-cache hits included), real acceptance, retraction,
+and clear errors for checkpoints without an MTP layer."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from conftest import GREEDY, NEW_TOKENS, SMALL_POOL, assert_matches_reference
+
+from dpserve import Engine
+from dpserve.testing.mtp_reference import mtp_greedy_drafts
+from dpserve.testing.reference import hf_greedy_reference, random_prompts
+from dpserve.testing.tiny_models import VOCAB_SIZE, write_tiny_model
+from dpserve.testing.trained_mtp import synthetic_sequences, trained_mtp_model
+
+PROMPT_LENGTHS = (5, 41, 17, 90, 9)  # very different lengths, so groups decode and prefill side by side
+
+
+@pytest.fixture(scope="module")
+def trained() -> str:
+    return str(trained_mtp_model())
+
+
+@pytest.fixture(scope="module")
+def nextn_prompts() -> list[list[int]]:
+    """Held-out synthetic text (drafts mostly accepted) and one random prompt (mostly rejected)."""
+    text = [synthetic_sequences(1, n, seed=100 + i)[0] for i, n in enumerate(PROMPT_LENGTHS)]
+    return [*text, random_prompts(VOCAB_SIZE, n=1, seed=5, min_len=12, max_len=12)[0]]
+
+
+@pytest.fixture(scope="module")
+def nextn_refs(trained, nextn_prompts):
+    return hf_greedy_reference(trained, nextn_prompts, NEW_TOKENS)
+
+
+def nextn_engine(engine_cache, path: str, tp: int, dp: int, steps: int, **kwargs) -> Engine:
+    return engine_cache.get(
+        path,
+        tp_size=tp,
+        dp_size=dp,
+        enable_dp_attention=dp > 1,
+        speculative_algorithm="NEXTN",
+        speculative_num_steps=steps,
+        **kwargs,
+    )
+
+
+def accept_length(outputs: list[dict]) -> float:
+    meta = [o["meta_info"] for o in outputs]
+    return sum(m["completion_tokens"] for m in meta) / sum(m["spec_verify_ct"] for m in meta)
+
+
+@pytest.mark.parametrize(
+    "tp,dp,steps,mode",
+    [(1, 1, 2, "auto"), (2, 2, 3, "sum_len"), (4, 2, 2, "max_len"), (4, 4, 1, "auto")],
+)
+def test_nextn_greedy_matches_reference(
+    engine_cache, trained, nextn_prompts, nextn_refs, tp, dp, steps, mode
+):
+    engine = nextn_engine(engine_cache, trained, tp, dp, steps, dp_padding_mode=mode, max_total_tokens=2048)
+    engine.get_step_log()
+    outputs = engine.generate(input_ids=nextn_prompts, sampling_params=GREEDY, return_logprob=True)
+    assert_matches_reference(outputs, nextn_refs)
+    log = engine.get_step_log()
+    assert any(s.kind == "verify" for s in log[0]), "no step verified drafts"
+    assert all(s.draft_seconds > 0 for g in log for s in g), "a step ran without the MTP forwards"
+    assert accept_length(outputs[:-1]) > 1.5  # the synthetic-text prompts
+    metrics = engine.get_metrics()
+    assert sum(m["spec_accepted_tokens"] for m in metrics) > 0
+    if dp == 4:
+        # One request alone: three groups run every MTP forward with zero rows; the same tokens.
+        alone = engine.generate(input_ids=nextn_prompts[3], sampling_params=GREEDY)
+        assert alone["output_ids"] == outputs[3]["output_ids"]
+
+
+def expected_verify_steps(prompt: list[int], path: str, max_new_tokens: int) -> int:
+    """Steps a 1-step NEXTN engine takes if its drafts are the reference MTP's: a draft is proposed while
+    two more tokens fit, and a verify step emits two tokens when the draft equals the next greedy token."""
+    ref = mtp_greedy_drafts(path, prompt, max_new_tokens)
+    emitted, steps = 1, 0  # the prefill emits the first token
+    while emitted < max_new_tokens:
+        steps += 1
+        j = emitted - 1  # the last emitted token; its draft guesses output j + 1
+        hit = emitted <= max_new_tokens - 2 and ref.draft_ids[j] == ref.output_ids[j + 1]
+        emitted += 2 if hit else 1
+    return steps
+
+
+def test_nextn_drafts_are_the_mtp_layers(engine_cache, trained, nextn_prompts):
+    """Step by step the engine accepts exactly where the pure-torch MTP reference's drafts are right, in
+    a first run and again for prompts that share a cached beginning with the first run's and then
+    diverge (the cached MTP KV is reused up to the last shared token)."""
+    engine = nextn_engine(engine_cache, trained, 1, 1, 1, max_total_tokens=2048)
+    params = {**GREEDY, "max_new_tokens": 32}
+    first = nextn_prompts[:4]
+    tails = synthetic_sequences(len(first), 2, seed=99)
+    second = [p[: len(p) // 2 + 1] + tail for p, tail in zip(first, tails, strict=True)]
+    for run, prompts in enumerate((first, second)):
+        expected = [expected_verify_steps(p, trained, 32) for p in prompts]
+        outputs = engine.generate(input_ids=prompts, sampling_params=params)
+        assert [o["meta_info"]["spec_verify_ct"] for o in outputs] == expected, f"run {run}"
+    assert all(o["meta_info"]["cached_tokens"] > 0 for o in outputs)
+    assert accept_length(outputs) > 1.5
+    # Sampling verifies by rejection sampling: it runs beside greedy requests and accepts drafts too.
+    sampled = engine.generate(input_ids=prompts, sampling_params={**params, "temperature": 0.7, "seed": 3})
+    assert all(len(o["output_ids"]) == 32 for o in sampled)
+    assert accept_length(sampled) > 1.2
+
+
+def test_nextn_with_retraction(engine_cache, trained, nextn_prompts, nextn_refs):
+    """A pool several times too small: requests are retracted and resumed (prefilled again, their MTP KV
+    rebuilt) while others verify drafts; every output stays the reference's."""
+    engine = nextn_engine(
+        engine_cache, trained, 2, 2, 2, max_total_tokens=SMALL_POOL + 64, chunked_prefill_size=16
+    )
+    outputs = engine.generate(input_ids=nextn_prompts * 2, sampling_params=GREEDY, return_logprob=True)
+    for k in range(2):
+        assert_matches_reference(outputs[k * len(nextn_prompts) : (k + 1) * len(nextn_prompts)], nextn_refs)
+    assert sum(m["retractions"] for m in engine.get_metrics()) > 0
+
+
+def test_nextn_needs_an_mtp_layer(model_dirs, trained, tmp_path):
+    with pytest.raises(ValueError, match="num_nextn_predict_layers=0"):
+        Engine(model_dirs["deepseek_v3"], speculative_algorithm="NEXTN", device="cpu")
+    with pytest.raises(ValueError, match="LlamaForCausalLM"):
+        Engine(model_dirs["llama"], speculative_algorithm="NEXTN", device="cpu")
+    # The config announces an MTP layer but its weights were left out of the checkpoint.
+    stripped = write_tiny_model("deepseek_v3", tmp_path / "stripped")
+    config = json.loads((stripped / "config.json").read_text())
+    (stripped / "config.json").write_text(json.dumps(config | {"num_nextn_predict_layers": 1}))
+    with pytest.raises(ValueError, match=r"has no model\.layers\.\d+\.eh_proj\.weight"):
+        Engine(str(stripped), speculative_algorithm="NEXTN", device="cpu")
+    shutil.rmtree(stripped)
