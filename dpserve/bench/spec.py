@@ -55,16 +55,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    add_engine_args(p, log_level="warning")
+    add_engine_args(
+        p,
+        log_level="warning",
+        default_model="dpserve.testing.trained_mtp's model with --trained-layers layers (trained once, cached)",
+    )
     p.set_defaults(dtype="float32")
-    for action in p._actions:
-        if action.dest == "model_path":
-            action.required = False
-            action.help = (
-                "checkpoint directory; default: dpserve.testing.trained_mtp's model (trained once, cached)"
-            )
-        elif action.dest in SWEPT:
-            action.help = argparse.SUPPRESS  # rejected below
+    p.add_argument(
+        "--trained-layers",
+        type=positive_int,
+        default=2,
+        help="decoder layers of the trained model (its MTP layer is one more: 6 makes it 1/7 of the model)",
+    )
     p.add_argument(
         "--layouts",
         type=parse_layout,
@@ -215,7 +217,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
     if args.model_path is None:
-        args.model_path = str(trained_mtp_model())
+        args.model_path = str(trained_mtp_model(num_layers=args.trained_layers))
     command = shlex.join(["python", "-m", "dpserve.bench.spec", *argv])
     cpu, cores = cpu_model(), os.cpu_count() or 1
     on_cpu = args.device == "cpu" or (
