@@ -12,7 +12,7 @@ import pytest
 from conftest import GREEDY, NEW_TOKENS, SMALL_POOL, assert_matches_reference
 
 from dpserve import Engine
-from dpserve.testing.mtp_reference import mtp_greedy_drafts
+from dpserve.testing.mtp_reference import mtp_draft_chain, mtp_greedy_drafts
 from dpserve.testing.reference import hf_greedy_reference, random_prompts
 from dpserve.testing.tiny_models import VOCAB_SIZE, write_tiny_model
 from dpserve.testing.trained_mtp import synthetic_sequences, trained_mtp_model
@@ -77,37 +77,41 @@ def test_nextn_greedy_matches_reference(
         assert alone["output_ids"] == outputs[3]["output_ids"]
 
 
-def expected_verify_steps(prompt: list[int], path: str, max_new_tokens: int) -> int:
-    """Steps a 1-step NEXTN engine takes if its drafts are the reference MTP's: a draft is proposed while
-    two more tokens fit, and a verify step emits two tokens when the draft equals the next greedy token."""
-    ref = mtp_greedy_drafts(path, prompt, max_new_tokens)
+def expected_verify_steps(prompt: list[int], path: str, max_new_tokens: int, num_steps: int) -> int:
+    """Steps a NEXTN engine takes if its drafts are the reference MTP chain's: after each step it drafts
+    as many tokens as still fit beside the next one, and accepts the prefix equal to the greedy tokens."""
+    out = mtp_greedy_drafts(path, prompt, max_new_tokens).output_ids
     emitted, steps = 1, 0  # the prefill emits the first token
     while emitted < max_new_tokens:
         steps += 1
-        j = emitted - 1  # the last emitted token; its draft guesses output j + 1
-        hit = emitted <= max_new_tokens - 2 and ref.draft_ids[j] == ref.output_ids[j + 1]
-        emitted += 2 if hit else 1
+        n = min(num_steps, max_new_tokens - emitted - 1)
+        chain = mtp_draft_chain(path, prompt + out[:emitted], n) if n > 0 else []
+        guesses = zip(chain, out[emitted : emitted + len(chain)], strict=True)
+        accepted = next((i for i, (d, t) in enumerate(guesses) if d != t), len(chain))
+        emitted += accepted + 1
     return steps
 
 
-def test_nextn_drafts_are_the_mtp_layers(engine_cache, trained, nextn_prompts):
-    """Step by step the engine accepts exactly where the pure-torch MTP reference's drafts are right, in
-    a first run and again for prompts that share a cached beginning with the first run's and then
-    diverge (the cached MTP KV is reused up to the last shared token)."""
-    engine = nextn_engine(engine_cache, trained, 1, 1, 1, max_total_tokens=2048)
-    params = {**GREEDY, "max_new_tokens": 32}
+@pytest.mark.parametrize("steps", [1, 2])
+def test_nextn_drafts_are_the_mtp_layers(engine_cache, trained, nextn_prompts, steps):
+    """Step by step the engine accepts exactly where the pure-torch MTP reference's chains are right
+    (chained steps included), in a first run and again for prompts that share a cached beginning with
+    the first run's and then diverge (the cached MTP KV is reused up to the last shared token)."""
+    engine = nextn_engine(engine_cache, trained, 1, 1, steps, max_total_tokens=2048)
+    new_tokens = 24
+    params = {**GREEDY, "max_new_tokens": new_tokens}
     first = nextn_prompts[:4]
     tails = synthetic_sequences(len(first), 2, seed=99)
     second = [p[: len(p) // 2 + 1] + tail for p, tail in zip(first, tails, strict=True)]
     for run, prompts in enumerate((first, second)):
-        expected = [expected_verify_steps(p, trained, 32) for p in prompts]
+        expected = [expected_verify_steps(p, trained, new_tokens, steps) for p in prompts]
         outputs = engine.generate(input_ids=prompts, sampling_params=params)
         assert [o["meta_info"]["spec_verify_ct"] for o in outputs] == expected, f"run {run}"
     assert all(o["meta_info"]["cached_tokens"] > 0 for o in outputs)
     assert accept_length(outputs) > 1.5
     # Sampling verifies by rejection sampling: it runs beside greedy requests and accepts drafts too.
     sampled = engine.generate(input_ids=prompts, sampling_params={**params, "temperature": 0.7, "seed": 3})
-    assert all(len(o["output_ids"]) == 32 for o in sampled)
+    assert all(len(o["output_ids"]) == new_tokens for o in sampled)
     assert accept_length(sampled) > 1.2
 
 
