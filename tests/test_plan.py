@@ -35,16 +35,26 @@ def _path(model_dirs, model: str) -> str:
     return model_dirs.get(model, model)
 
 
-def planned(model_path: str, tp: int, dp: int, attn: bool, kv_gb: float | None):
+def planned(model_path: str, tp: int, dp: int, attn: bool, kv_gb: float | None, **extra):
     path, model_cfg = load(model_path)
-    kwargs = {"kv_cache_memory_gb": kv_gb, "dtype": "float32"}
+    kwargs = {"kv_cache_memory_gb": kv_gb, "dtype": "float32", **extra}
     return layout_memory(Layout(tp, dp, attn), path, model_cfg, "cpu", 0, kwargs)
 
 
 @pytest.mark.parametrize("model,tp,dp,attn,kv_gb", CASES, ids=lambda v: str(v))
 def test_planner_memory_equals_engine(model_dirs, model, tp, dp, attn, kv_gb):
-    path = _path(model_dirs, model)
-    mem = planned(path, tp, dp, attn, kv_gb)
+    assert_planned_memory(_path(model_dirs, model), tp, dp, attn, kv_gb)
+
+
+def test_planner_memory_with_nextn():
+    """NEXTN's MTP layer: its weights and one more layer of KV per token, as the engine holds them."""
+    from dpserve.testing.trained_mtp import trained_mtp_model
+
+    assert_planned_memory(str(trained_mtp_model()), 2, 2, True, KV_GB, speculative_algorithm="NEXTN")
+
+
+def assert_planned_memory(path: str, tp: int, dp: int, attn: bool, kv_gb: float | None, **extra) -> None:
+    mem = planned(path, tp, dp, attn, kv_gb, **extra)
     assert mem.valid, mem.error
     with Engine(
         model_path=path,
@@ -55,6 +65,7 @@ def test_planner_memory_equals_engine(model_dirs, model, tp, dp, attn, kv_gb):
         dtype="float32",
         kv_cache_memory_gb=kv_gb,
         dp_padding_mode="sum_len",  # no start-up calibration: memory does not depend on the mode
+        **extra,
     ) as engine:
         info = engine.get_server_info()
     assert len(info["dp_ranks"]) == mem.groups == dp

@@ -56,9 +56,7 @@ class ModelRunner:
         self.model.to(self.device)
         self.weight_bytes = param_bytes(self.model)
         shapes = self.model.kv_entry_shapes()
-        # NEXTN's MTP layer keeps KV for every token too (in the drafter's pool).
-        kv_layers = model_cfg.num_layers + (self.model.mtp is not None)
-        self.kv_bytes_per_token = KVPool.bytes_per_token(kv_layers, shapes, self.dtype)
+        self.kv_bytes_per_token = KVPool.bytes_per_token(self.model.kv_layers, shapes, self.dtype)
         # Pool slot of every position of every running request, kept alike on every rank of the group:
         # each step writes only its new slots (row 0 stays zero for padded rows).
         self.req_to_token = torch.zeros(
@@ -67,7 +65,7 @@ class ModelRunner:
         self.activation_bytes = 0
         self.slots_written = 0  # request-to-slot entries the last step wrote
         self.forward_seconds = 0.0  # the model's part of the last step (the rest is host work)
-        self.hidden: torch.Tensor | None = None  # the last step's hidden states (NEXTN drafts from them)
+        self.hidden: torch.Tensor | None = None  # NEXTN: the last step's hidden states
         local_tokens = self._kv_capacity(shapes)
         # Every rank of the instance takes the smallest pool, so the ranks of a group hold the same.
         self.max_total_num_tokens = agree_min(local_tokens, groups.world_cpu)
@@ -152,8 +150,10 @@ class ModelRunner:
         """Runs the model on this group's plan (possibly empty); returns logits of sampled rows."""
         batch = self._batch(plan, step)
         start = time.perf_counter()
-        self.hidden = self._hidden(batch)
-        logits = self.model.compute_logits(self.hidden, batch)
+        hidden = self._hidden(batch)
+        if self.model.mtp is not None:
+            self.hidden = hidden  # NEXTN's MTP forwards pair it with the accepted tokens
+        logits = self.model.compute_logits(hidden, batch)
         if logits.is_cuda:
             torch.cuda.synchronize(self.device)
         self.forward_seconds = time.perf_counter() - start

@@ -122,5 +122,10 @@ class CausalLM(nn.Module):
         if self.mtp is not None:  # DeepSeek's checkpoints put it after the last decoder layer
             self.mtp.load(r, f"model.layers.{cfg.num_layers}", topo)
 
+    @property
+    def kv_layers(self) -> int:
+        """Layers that keep KV for every token: the decoder layers and NEXTN's MTP layer."""
+        return len(self.layers) + (self.mtp is not None)
+
     def kv_entry_shapes(self) -> list[tuple[int, ...]]:
         return self.layers[0].self_attn.kv_entry_shapes()

@@ -145,13 +145,14 @@ _MODEL_CACHE: dict = {}
 def meta_model(model_cfg: ModelConfig, cfg: EngineConfig, rank: int = 0):
     """The engine's model of global rank `rank`, built on the meta device (no memory, no weights)."""
     _, topo = cfg.rank_topology(rank)
-    key = (id(model_cfg), topo, cfg.dtype)
+    mtp = cfg.speculative_algorithm == "NEXTN"
+    key = (id(model_cfg), topo, cfg.dtype, mtp)
     if key not in _MODEL_CACHE:
         previous = torch.get_default_dtype()
         torch.set_default_dtype(DTYPES[cfg.dtype])
         try:
             with torch.device("meta"):
-                _MODEL_CACHE[key] = build_model(model_cfg, Groups(topo, None, None, None, None))
+                _MODEL_CACHE[key] = build_model(model_cfg, Groups(topo, None, None, None, None), mtp=mtp)
         finally:
             torch.set_default_dtype(previous)
     return _MODEL_CACHE[key]
@@ -179,7 +180,7 @@ def layout_memory(
     out.groups = layout.dp
     dtype = DTYPES[cfg.dtype]
     out.weight_bytes = param_bytes(model)
-    out.kv_bytes_per_token = KVPool.bytes_per_token(model_cfg.num_layers, model.kv_entry_shapes(), dtype)
+    out.kv_bytes_per_token = KVPool.bytes_per_token(model.kv_layers, model.kv_entry_shapes(), dtype)
     out.comp = components(model)
     if cfg.device == "cuda" and cfg.max_total_tokens is None and cfg.kv_cache_memory_gb is None:
         out.activation_bytes = activation_peak_estimate(
