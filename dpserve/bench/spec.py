@@ -165,10 +165,10 @@ def main(argv: list[str] | None = None) -> None:
     bar = tqdm(total=len(runs) * len(args.batch_size), desc="pairs", unit="pair")
     for tp, dp in args.layouts:
         layout = {"tp_size": tp, "dp_size": dp, "enable_dp_attention": dp > 1}
-        with Engine(**engine_kwargs(args), **layout) as off:
+        with Engine(**(engine_kwargs(args) | layout)) as off:
             for k in args.steps:
                 spec_kwargs = {"speculative_algorithm": args.algorithm, "speculative_num_steps": k}
-                with Engine(**engine_kwargs(args), **layout, **spec_kwargs) as spec:
+                with Engine(**(engine_kwargs(args) | layout | spec_kwargs)) as spec:
                     for batch in args.batch_size:
                         r = {"tp": tp, "dp": dp, "steps": k, **run_pair(off, spec, args, batch)}
                         if not r["identical"]:
