@@ -6,8 +6,9 @@ suite covers the rest, including these kernels in Triton's interpreter. Prints o
 2. Engines in bfloat16, tiny DeepseekV2 (written here) and SmolLM2 (if its GGUF is installed):
    CUDA graphs vs --disable-cuda-graph (same greedy tokens, decode step time), triton vs sdpa
    attention, the memory sizing (weights, activation peak, KV pool), decode tokens/s at batch 1-64.
-3. NEXTN speculative decoding on the trained tiny DeepSeek-V3 (6 layers): greedy outputs identical
-   with and without drafts, accept length, decode speed-up at batch 1.
+3. NEXTN speculative decoding on the trained tiny DeepSeek-V3 (6 layers; verify steps replay the
+   decode graphs, one row per token): greedy outputs identical with and without drafts, accept
+   length, decode speed-up at batch 1.
 
     bash scripts/gpu_check.sh
 """
@@ -144,7 +145,7 @@ def engines(name: str, path: str) -> None:
 
 
 def nextn() -> None:
-    """NEXTN on the GPU (eager verify and MTP forwards, decode graphs): the trained tiny DeepSeek-V3
+    """NEXTN on the GPU (verify steps as decode graph replays, eager MTP forwards): the trained tiny DeepSeek-V3
     with 6 layers (trained on the CPU in under a minute, then cached) in float32, greedy outputs
     identical with and without drafts, accept length, decode speed at batch 1."""
     from dpserve.testing.trained_mtp import synthetic_sequences, trained_mtp_model

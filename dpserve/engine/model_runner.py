@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from itertools import accumulate
 
 import torch
 
@@ -134,12 +135,10 @@ class ModelRunner:
         return int(peak)
 
     def can_use_graph(self, plan: StepPlan) -> bool:
-        """Whether this group's batch can be padded to a bucket: decode or idle (a captured graph on
-        the GPU), or verify on the CPU; every request's KV short enough for the backend's graphs."""
+        """Whether this group's batch can be padded to a bucket (a captured graph on the GPU): decode,
+        verify (one row per token) or idle; every request's KV short enough for the backend's graphs."""
         if plan.mode == "extend" or not self.cfg.graph_buckets:
             return False
-        if plan.mode == "verify" and self.graphs is not None:
-            return False  # only decode graphs are captured: verify steps run eagerly on the GPU
         return all(r.seq_len <= self.graph_kv_len for r in plan.reqs)
 
     def make_step(self, tokens: list[int], logit_rows: list[int], can_pad: bool) -> DPStep:
@@ -183,17 +182,28 @@ class ModelRunner:
                 slots, dtype=torch.int32, device=dev
             )
         positions = [p for r in reqs for p in range(r.start, r.seq_len)]
+        # Rows to return logits for: a request's last, or every one of a verify step's.
+        ends = list(accumulate(len(r.tokens) for r in reqs))
+        logit_idx = [i for r, end in zip(reqs, ends, strict=True) for i in range(end - r.logit_rows, end)]
         # Padded rows: token 0 at position 0, each a one-token request on row 0, writing slot 0.
         pad = step.local_rows - plan.num_tokens
-        q_lens = [len(r.tokens) for r in reqs] + [1] * pad
-        seq_lens = [r.seq_len for r in reqs] + [1] * pad
+        if step.graph:
+            # A padded step has a decode graph's shapes: one query row per token. A verify step's
+            # token at position p attends to the p + 1 keys up to its own, its drafts included (all of
+            # them are in the pool before attention reads it): causal attention, row by row.
+            req_rows = [r.row for r in reqs for _ in r.tokens]
+            q_lens, seq_lens = [1] * len(positions), [p + 1 for p in positions]
+        else:
+            req_rows, q_lens, seq_lens = (
+                [r.row for r in reqs],
+                [len(r.tokens) for r in reqs],
+                [r.seq_len for r in reqs],
+            )
+        q_lens, seq_lens = q_lens + [1] * pad, seq_lens + [1] * pad
         q_start = torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        ends = q_start[1 : len(reqs) + 1].tolist()
-        # Rows to return logits for: a request's last, or every one of a verify step's.
-        logit_idx = [i for r, end in zip(reqs, ends, strict=True) for i in range(end - r.logit_rows, end)]
         attn = AttentionMetadata(
             req_to_token=self.req_to_token,
-            req_idx=torch.tensor([r.row for r in reqs] + [0] * pad, dtype=torch.int32, device=dev),
+            req_idx=torch.tensor(req_rows + [0] * pad, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             q_start=q_start.to(dev),
             num_tokens=step.local_rows,
