@@ -8,12 +8,14 @@ from __future__ import annotations
 import json
 import shutil
 
+import httpx
 import pytest
 from conftest import GREEDY, NEW_TOKENS, SMALL_POOL, assert_matches_reference
 
 from dpserve import Engine
 from dpserve.testing.mtp_reference import mtp_draft_chain, mtp_greedy_drafts
 from dpserve.testing.reference import hf_greedy_reference, random_prompts
+from dpserve.testing.server import ServerProcess
 from dpserve.testing.tiny_models import VOCAB_SIZE, write_tiny_model
 from dpserve.testing.trained_mtp import synthetic_sequences, trained_mtp_model
 
@@ -139,3 +141,30 @@ def test_nextn_needs_an_mtp_layer(model_dirs, trained, tmp_path):
     with pytest.raises(ValueError, match=r"has no model\.layers\.\d+\.eh_proj\.weight"):
         Engine(str(stripped), speculative_algorithm="NEXTN", device="cpu")
     shutil.rmtree(stripped)
+
+
+def test_nextn_server(trained, nextn_prompts, nextn_refs):
+    """Through launch_server at (2,2): the reference's tokens, a stop token cutting a verify step's accepted
+    drafts, spec_verify_ct in /generate, and the per-rank draft counters in /metrics."""
+    args = ["--model-path", trained, "--tp", "2", "--dp", "2", "--enable-dp-attention", "--dtype", "float32"]
+    args += ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "2", "--max-total-tokens", "2048"]
+    with ServerProcess(*args) as server:
+        for g, (prompt, ref) in enumerate(zip(nextn_prompts[:2], nextn_refs, strict=False)):
+            body = {"input_ids": prompt, "sampling_params": GREEDY, "data_parallel_rank": g}
+            out = httpx.post(f"{server.url}/generate", json=body, timeout=60).json()
+            n = ref.compare_len
+            assert out["output_ids"][:n] == ref.output_ids[:n]
+            assert 1 <= out["meta_info"]["spec_verify_ct"] < out["meta_info"]["completion_tokens"]
+            # A stop token inside a run of accepted drafts: nothing after it is emitted.
+            stop = out["output_ids"][9]
+            cut = out["output_ids"].index(stop)
+            params = {**GREEDY, "stop_token_ids": [stop]}
+            stopped = httpx.post(f"{server.url}/generate", json={**body, "sampling_params": params}).json()
+            assert stopped["output_ids"] == out["output_ids"][: cut + 1]
+            assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+        text = httpx.get(f"{server.url}/metrics").text
+    values = {k: float(v) for k, v in (line.rsplit(" ", 1) for line in text.splitlines() if line[0] != "#")}
+    for g in (0, 1):
+        assert values[f'dpserve_spec_draft_tokens_total{{dp_rank="{g}"}}'] > 0
+        assert values[f'dpserve_spec_accepted_tokens_total{{dp_rank="{g}"}}'] > 0
+        assert values[f'dpserve_spec_accept_length{{dp_rank="{g}"}}'] > 1.5
