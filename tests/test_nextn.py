@@ -39,12 +39,14 @@ def nextn_refs(trained, nextn_prompts):
     return hf_greedy_reference(trained, nextn_prompts, NEW_TOKENS)
 
 
-def nextn_engine(engine_cache, path: str, tp: int, dp: int, steps: int, **kwargs) -> Engine:
+def nextn_engine(
+    engine_cache, path: str, tp: int, dp: int, steps: int, dp_attention: bool = True, **kwargs
+) -> Engine:
     return engine_cache.get(
         path,
         tp_size=tp,
         dp_size=dp,
-        enable_dp_attention=dp > 1,
+        enable_dp_attention=dp_attention and dp > 1,
         speculative_algorithm="NEXTN",
         speculative_num_steps=steps,
         **kwargs,
@@ -57,13 +59,21 @@ def accept_length(outputs: list[dict]) -> float:
 
 
 @pytest.mark.parametrize(
-    "tp,dp,steps,mode",
-    [(1, 1, 2, "auto"), (2, 2, 3, "sum_len"), (4, 2, 2, "max_len"), (4, 4, 1, "auto")],
+    "tp,dp,steps,mode,dp_attention",
+    [
+        (1, 1, 2, "auto", True),
+        (2, 2, 3, "sum_len", True),
+        (4, 2, 2, "max_len", True),
+        (4, 4, 1, "auto", True),
+        (1, 2, 2, "auto", False),  # two replicas
+    ],
 )
 def test_nextn_greedy_matches_reference(
-    engine_cache, trained, nextn_prompts, nextn_refs, tp, dp, steps, mode
+    engine_cache, trained, nextn_prompts, nextn_refs, tp, dp, steps, mode, dp_attention
 ):
-    engine = nextn_engine(engine_cache, trained, tp, dp, steps, dp_padding_mode=mode, max_total_tokens=2048)
+    engine = nextn_engine(
+        engine_cache, trained, tp, dp, steps, dp_attention, dp_padding_mode=mode, max_total_tokens=2048
+    )
     engine.get_step_log()
     outputs = engine.generate(input_ids=nextn_prompts, sampling_params=GREEDY, return_logprob=True)
     assert_matches_reference(outputs, nextn_refs)
