@@ -19,13 +19,12 @@ keeps sampled outputs distributed exactly as the target model's.
 from __future__ import annotations
 
 import time
+from itertools import accumulate
 from typing import TYPE_CHECKING
 
 import torch
 
-from dpserve.attention.backend import AttentionMetadata
 from dpserve.kvcache.pool import KVPool
-from dpserve.layers.dp_attention import DPStep
 from dpserve.models.batch import ForwardBatch
 from dpserve.scheduler.plan import DraftCounts, DraftPlan
 
@@ -55,20 +54,20 @@ class NextNDrafter:
         # 1. Draft extend over every kept position.
         reqs = plan.reqs
         q_lens = [len(r.next_tokens) for r in reqs]
-        ends = torch.tensor(q_lens, dtype=torch.long).cumsum(0).tolist()
+        ends = list(accumulate(q_lens))
         step = runner.make_step([c.tokens for c in counts], [c.drafting for c in counts], can_pad=False)
         rows = [r.row for r in reqs for _ in r.next_tokens]
         positions = [p for r in reqs for p in range(r.start, r.end)]
-        next_ids = _tensor([t for r in reqs for t in r.next_tokens], dev)
-        batch = self._batch(
-            next_ids,
+        batch = ForwardBatch.build(
+            step,
+            runner.req_to_token,
+            [t for r in reqs for t in r.next_tokens],  # the MTP layer's input: the token after each row
+            positions,
+            runner.req_to_token[_tensor(rows, dev), _tensor(positions, dev)],
             [r.row for r in reqs],
             q_lens,
             [r.end for r in reqs],
-            positions,
-            runner.req_to_token[_tensor(rows, dev), _tensor(positions, dev)].long(),
             [end - 1 for r, end in zip(reqs, ends, strict=True) if r.draft],
-            step,
         )
         src = _tensor([r.offset + i for r in reqs for i in range(len(r.next_tokens))], dev)
         hidden = runner.model.norm(runner.hidden[src])
@@ -93,8 +92,16 @@ class NextNDrafter:
             step = runner.make_step([c.chain[j - 1] for c in counts], [c.chain[j - 1] for c in counts], False)
             n, idx = len(active), _tensor(active, dev)
             seq_lens = [p + 1 for p in positions]
-            batch = self._batch(
-                drafts[idx, j - 1], req_rows, [1] * n, seq_lens, positions, slots, list(range(n)), step
+            batch = ForwardBatch.build(
+                step,
+                runner.req_to_token,
+                drafts[idx, j - 1],
+                positions,
+                slots,
+                req_rows,
+                [1] * n,
+                seq_lens,
+                list(range(n)),
             )
             logits, rows_out = runner.model.draft(out[idx], batch, self.pool)
             drafts[idx, j] = logits.argmax(-1)
@@ -105,38 +112,6 @@ class NextNDrafter:
             runner.req_to_token[entry] = 0
         self.seconds = time.perf_counter() - start
         return [chain[: 1 + n] for chain, n in zip(drafts.tolist(), chain_lens, strict=True)]
-
-    def _batch(
-        self,
-        input_ids: torch.Tensor,
-        req_rows: list[int],
-        q_lens: list[int],
-        seq_lens: list[int],
-        positions: list[int],
-        out_slots: torch.Tensor,
-        logit_idx: list[int],
-        step: DPStep,
-    ) -> ForwardBatch:
-        dev = self.runner.device
-        q_start = torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        attn = AttentionMetadata(
-            req_to_token=self.runner.req_to_token,
-            req_idx=_tensor(req_rows, dev, torch.int32),
-            seq_lens=_tensor(seq_lens, dev, torch.int32),
-            q_start=q_start.to(dev),
-            num_tokens=len(positions),
-            max_q_len=max(q_lens, default=0),
-            max_seq_len=max(seq_lens, default=0),
-        )
-        return ForwardBatch(
-            input_ids=input_ids,  # the token after each row's position (the MTP layer's input)
-            positions=_tensor(positions, dev),
-            out_slots=out_slots,
-            attn=attn,
-            logit_idx=_tensor(logit_idx, dev),
-            step=step,
-            row_index=_tensor(step.row_index(), dev),
-        )
 
 
 def _tensor(values: list[int], device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:

@@ -14,7 +14,6 @@ from itertools import accumulate
 import torch
 
 from dpserve.attention import make_backend
-from dpserve.attention.backend import AttentionMetadata
 from dpserve.config import EngineConfig
 from dpserve.distributed import Groups
 from dpserve.engine.drafter import NextNDrafter
@@ -199,27 +198,14 @@ class ModelRunner:
                 [len(r.tokens) for r in reqs],
                 [r.seq_len for r in reqs],
             )
-        q_lens, seq_lens = q_lens + [1] * pad, seq_lens + [1] * pad
-        q_start = torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        attn = AttentionMetadata(
-            req_to_token=self.req_to_token,
-            req_idx=torch.tensor(req_rows + [0] * pad, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            q_start=q_start.to(dev),
-            num_tokens=step.local_rows,
-            max_q_len=max(q_lens, default=0),
-            max_seq_len=max(seq_lens, default=0),
-        )
-        return ForwardBatch(
-            input_ids=torch.tensor(
-                [t for r in reqs for t in r.tokens] + [0] * pad, dtype=torch.long, device=dev
-            ),
-            positions=torch.tensor(positions + [0] * pad, dtype=torch.long, device=dev),
-            out_slots=torch.tensor(
-                [s for r in reqs for s in r.slots] + [0] * pad, dtype=torch.long, device=dev
-            ),
-            attn=attn,
-            logit_idx=torch.tensor(logit_idx, dtype=torch.long, device=dev),
-            step=step,
-            row_index=torch.tensor(step.row_index(), dtype=torch.long, device=dev),
+        return ForwardBatch.build(
+            step,
+            self.req_to_token,
+            [t for r in reqs for t in r.tokens] + [0] * pad,
+            positions + [0] * pad,
+            [s for r in reqs for s in r.slots] + [0] * pad,
+            req_rows + [0] * pad,
+            q_lens + [1] * pad,
+            seq_lens + [1] * pad,
+            logit_idx,
         )

@@ -22,3 +22,37 @@ class ForwardBatch:
     logit_idx: torch.Tensor  # indices into the n_g tokens whose next token is sampled
     step: DPStep
     row_index: torch.Tensor  # [local rows] row of the gathered buffer of each local row (DPStep.row_index)
+
+    @classmethod
+    def build(
+        cls,
+        step: DPStep,
+        req_to_token: torch.Tensor,
+        input_ids: list[int] | torch.Tensor,
+        positions: list[int],
+        out_slots: list[int] | torch.Tensor,
+        req_rows: list[int],
+        q_lens: list[int],
+        seq_lens: list[int],
+        logit_idx: list[int],
+    ) -> ForwardBatch:
+        """The batch of `step.local_rows` rows (padding included) from per-token and per-request
+        lists (`req_rows`, `q_lens`, `seq_lens`: one entry per attention request)."""
+        dev = req_to_token.device
+
+        def ids(values: list[int] | torch.Tensor) -> torch.Tensor:
+            return torch.as_tensor(values, dtype=torch.long, device=dev)
+
+        q_start = torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        attn = AttentionMetadata(
+            req_to_token=req_to_token,
+            req_idx=torch.tensor(req_rows, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            q_start=q_start.to(dev),
+            num_tokens=step.local_rows,
+            max_q_len=max(q_lens, default=0),
+            max_seq_len=max(seq_lens, default=0),
+        )
+        return cls(
+            ids(input_ids), ids(positions), ids(out_slots), attn, ids(logit_idx), step, ids(step.row_index())
+        )
