@@ -62,6 +62,7 @@ class Scheduler:
         self.dp_rank, self.device, self.num_drafts = dp_rank, torch.device(device), num_drafts
         self.nextn = num_drafts > 0 and speculative_algorithm == "NEXTN"
         self.draft_plan = DraftPlan()  # NEXTN: the MTP forwards after the last step
+        self._drafting: list[Req] = []  # its requests that draft, in its order
         self.kv_capacity = kv_capacity
         self.max_running, self.chunk_size = max_running, chunk_size
         self.context_len, self.vocab_size = context_len, vocab_size
@@ -118,7 +119,7 @@ class Scheduler:
         decoding = self._make_room([r for r in self.running if r.prefill_done])
         plan, self._step_reqs, self._prefilled = StepPlan(), [], []
         self._plan = plan
-        self.draft_plan = DraftPlan()
+        self.draft_plan, self._drafting = DraftPlan(), []
         budget = self.chunk_size
         for req in [r for r in self.running if not r.prefill_done]:  # a chunked prompt continues first
             budget -= self._add_chunk(plan, req, budget, reserved=len(decoding))
@@ -313,7 +314,6 @@ class Scheduler:
         if self.tree is not None:
             for req in self._prefilled:
                 self._cache(req)
-        rows = [r.row for r in self._plan.reqs]  # before finished requests give theirs back
         new, finished = [], []
         for req, toks, lps in zip(self._sampled(), tokens, logprobs, strict=True):
             reason, emitted = None, 0
@@ -336,23 +336,24 @@ class Scheduler:
                 finished.append(self._finish(req, reason))
         self.counters["generated_tokens"] += len(new)
         if self.nextn:
-            self._plan_drafts(rows)
+            self._plan_drafts()
         return new, finished
 
-    def _plan_drafts(self, rows: list[int]) -> None:
+    def _plan_drafts(self) -> None:
         """The MTP rows after this step: every position it kept, paired with the token after it."""
-        self.draft_plan, offset = DraftPlan(), 0
-        for req, step, row in zip(self._step_reqs, self._plan.reqs, rows, strict=True):
+        self.draft_plan, self._drafting, offset = DraftPlan(), [], 0
+        for req, step in zip(self._step_reqs, self._plan.reqs, strict=True):
             kept = min(len(step.tokens), req.seq_len - 1 - step.start)
             next_tokens = req.fill_ids[step.start + 1 : step.start + 1 + kept]
             draft = req.row > 0 and req.prefill_done  # running and decoding next
-            self.draft_plan.reqs.append(DraftReq(row, step.start, offset, next_tokens, draft))
+            self.draft_plan.reqs.append(DraftReq(step.row, step.start, offset, next_tokens, draft))
+            if draft:
+                self._drafting.append(req)
             offset += len(step.tokens)
 
     def set_drafts(self, drafts: list[list[int]]) -> None:
         """NEXTN: the chains the MTP layer drafted for `draft_plan`'s drafting requests, in order."""
-        reqs = [r for r in self._step_reqs if r.row > 0 and r.prefill_done]
-        for req, chain in zip(reqs, drafts, strict=True):
+        for req, chain in zip(self._drafting, drafts, strict=True):
             req.proposed = chain
 
     def stats(self) -> dict:
