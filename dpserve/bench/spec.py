@@ -99,16 +99,14 @@ def run_pair(off: Engine, spec: Engine, args: argparse.Namespace, batch: int) ->
     times: dict[str, list[float]] = {"off": [], "spec": []}
     for engine in (off, spec):
         decode_run(engine, warmup, args.warmup_output_len)
+    outputs: dict[str, list[dict]] = {}
     for _ in range(args.repeats):
         for name, engine in (("off", off), ("spec", spec)):
-            seconds, outputs = decode_run(engine, prompts, args.output_len)
+            seconds, outputs[name] = decode_run(engine, prompts, args.output_len)
             times[name].append(seconds)
-            if name == "off":
-                off_ids = [o["output_ids"] for o in outputs]
-    meta = [o["meta_info"] for o in outputs]
-    mismatch = next(
-        (i for i, (o, ids) in enumerate(zip(outputs, off_ids, strict=True)) if o["output_ids"] != ids), None
-    )
+    meta = [o["meta_info"] for o in outputs["spec"]]
+    pairs = zip(outputs["spec"], outputs["off"], strict=True)
+    mismatch = next((i for i, (a, b) in enumerate(pairs) if a["output_ids"] != b["output_ids"]), None)
     off_s, spec_s = statistics.median(times["off"]), statistics.median(times["spec"])
     tokens = batch * (args.output_len - 1)
     return {
