@@ -9,16 +9,16 @@ from conftest import GREEDY, KV_BUDGET_GB, SMALL_POOL, assert_matches_reference
 SPEC = {"speculative_algorithm": "NGRAM", "speculative_num_steps": 3}
 
 
+def ngram_engine(engine_cache, model_dirs, tp: int, dp: int, **kwargs):
+    """The tiny DeepseekV3 with NGRAM drafts and DP attention (dp > 1)."""
+    return engine_cache.get(
+        model_dirs["deepseek_v3"], tp_size=tp, dp_size=dp, enable_dp_attention=dp > 1, **SPEC, **kwargs
+    )
+
+
 @pytest.mark.parametrize("tp,dp", [(1, 1), (2, 2), (4, 2), (4, 4)])
 def test_ngram_greedy_matches_reference(engine_cache, model_dirs, prompts, references, tp, dp):
-    engine = engine_cache.get(
-        model_dirs["deepseek_v3"],
-        tp_size=tp,
-        dp_size=dp,
-        enable_dp_attention=dp > 1,
-        kv_cache_memory_gb=KV_BUDGET_GB,
-        **SPEC,
-    )
+    engine = ngram_engine(engine_cache, model_dirs, tp, dp, kv_cache_memory_gb=KV_BUDGET_GB)
     engine.get_step_log()
     outputs = engine.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True)
     assert_matches_reference(outputs, references["deepseek_v3"])
@@ -38,14 +38,8 @@ def test_ngram_greedy_matches_reference(engine_cache, model_dirs, prompts, refer
 
 def test_ngram_with_retraction_and_prefix_hits(engine_cache, model_dirs, references, prompts):
     """A small pool: verify steps beside retractions; the same prompts twice hit the prefix cache."""
-    engine = engine_cache.get(
-        model_dirs["deepseek_v3"],
-        tp_size=2,
-        dp_size=2,
-        enable_dp_attention=True,
-        max_total_tokens=SMALL_POOL,
-        chunked_prefill_size=16,
-        **SPEC,
+    engine = ngram_engine(
+        engine_cache, model_dirs, 2, 2, max_total_tokens=SMALL_POOL, chunked_prefill_size=16
     )
     # Every prompt three times at once: several times the pool, so requests are retracted.
     first = engine.generate(input_ids=prompts * 3, sampling_params=GREEDY, return_logprob=True)
@@ -61,14 +55,8 @@ def test_ngram_with_retraction_and_prefix_hits(engine_cache, model_dirs, referen
 @pytest.mark.parametrize("mode", ["sum_len", "max_len"])
 def test_padded_verify_steps_match(engine_cache, model_dirs, prompts, references, mode):
     """Verify steps padded to a bucket (rows = requests x (1 + drafts)) give the reference tokens."""
-    engine = engine_cache.get(
-        model_dirs["deepseek_v3"],
-        tp_size=4,
-        dp_size=2,
-        enable_dp_attention=True,
-        kv_cache_memory_gb=KV_BUDGET_GB,
-        dp_padding_mode=mode,
-        **SPEC,
+    engine = ngram_engine(
+        engine_cache, model_dirs, 4, 2, kv_cache_memory_gb=KV_BUDGET_GB, dp_padding_mode=mode
     )
     engine.get_step_log()
     outputs = engine.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True)
