@@ -178,3 +178,14 @@ def test_nextn_server(trained, nextn_prompts, nextn_refs):
         assert values[f'dpserve_spec_draft_tokens_total{{dp_rank="{g}"}}'] > 0
         assert values[f'dpserve_spec_accepted_tokens_total{{dp_rank="{g}"}}'] > 0
         assert values[f'dpserve_spec_accept_length{{dp_rank="{g}"}}'] > 1.5
+
+
+def test_nextn_triton_backend(engine_cache, trained, nextn_prompts, nextn_refs):
+    """The GPU path's kernels in Triton's interpreter: padded verify steps (one decode row per verified
+    token, as a captured graph replays them) and the MTP forwards (extend kernel) give the same tokens."""
+    engine = nextn_engine(engine_cache, trained, 1, 1, 2, attention_backend="triton", max_total_tokens=2048)
+    assert engine.get_server_info()["attention_backend"] == "triton"
+    engine.get_step_log()
+    outputs = engine.generate(input_ids=nextn_prompts[:3], sampling_params=GREEDY, return_logprob=True)
+    assert_matches_reference(outputs, nextn_refs[:3])
+    assert any(s.kind == "verify" and s.graph for s in engine.get_step_log()[0])
