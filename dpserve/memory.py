@@ -1,4 +1,4 @@
-"""The memory model shared by the KV allocator (engine/model_runner.py) and the planner (dpserve.plan).
+"""The memory model shared by the KV allocator (worker/model_runner.py) and the planner (dpserve.plan).
 
 One rank's device memory, as SGLang splits it:
 
@@ -6,8 +6,8 @@ One rank's device memory, as SGLang splits it:
     the rest                     = activations, CUDA graphs, the allocator's slack
 
 dpserve takes the activation peak out of the static share too (measured on the GPU with a
-warm-up forward at the largest prefill chunk, estimated by the planner), so that a long
-prefill never runs out of memory:
+warm-up forward at the largest prefill chunk; estimated by the planner, dpserve.plan.layouts), so
+that a long prefill never runs out of memory:
 
     kv_budget = total x mem_fraction_static - weights - activation_peak
 
@@ -38,41 +38,6 @@ def param_bytes(model: nn.Module) -> int:
 
 def dtype_bytes(dtype: torch.dtype) -> int:
     return torch.empty(0, dtype=dtype).element_size()
-
-
-def activation_peak_estimate(
-    hf,
-    hidden_size: int,
-    num_heads_local: int,
-    tp_size: int,
-    dp_size: int,
-    chunk_tokens: int,
-    dtype: torch.dtype,
-    is_mla: bool,
-) -> int:
-    """Bytes of the largest transient tensors of one prefill forward of `chunk_tokens` rows per DP
-    group (the MoE/MLP sees dp_size times as many rows). An upper-end estimate used by the planner
-    where the engine measures (`torch.cuda.max_memory_allocated` around a warm-up forward)."""
-    e = dtype_bytes(dtype)
-    n, rows = chunk_tokens, chunk_tokens * dp_size
-    if is_mla:
-        latent = hf.kv_lora_rank + hf.qk_rope_head_dim
-        # q in latent space, attended latent, and the score matrix of one head group at a time
-        attn = n * num_heads_local * (2 * latent + hf.v_head_dim) * e
-        attn += n * n * num_heads_local * 4  # float32 scores of the reference backend
-    else:
-        head_dim = getattr(hf, "head_dim", None) or hidden_size // num_heads_local // max(tp_size, 1)
-        attn = 3 * n * num_heads_local * head_dim * e + n * n * num_heads_local * 4
-    inter = getattr(hf, "intermediate_size", 0) or 0
-    if getattr(hf, "n_routed_experts", None):
-        inter = max(inter, hf.moe_intermediate_size * (hf.n_shared_experts or 0))
-        # router logits in float32, plus one expert's rows at a time (top_k / experts of all rows)
-        routed = rows * hf.n_routed_experts * 4 + rows * hf.num_experts_per_tok * hidden_size * e
-    else:
-        routed = 0
-    mlp = rows * 3 * -(-inter // tp_size) * e + routed
-    gathered = 4 * rows * hidden_size * e  # the gathered buffer, residual, partials, norm output
-    return int(attn + mlp + gathered)
 
 
 def kv_budget_bytes(

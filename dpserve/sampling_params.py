@@ -1,28 +1,56 @@
-"""Per-request sampling and stopping parameters (SGLang's names)."""
+"""Per-request sampling, stopping and detokenization parameters (SGLang's names)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+# SGLang sampling parameters accepted only at their neutral value (structured output, n > 1 inside
+# one /generate prompt): any other value is refused, naming the parameter.
+NEUTRAL = {"n": (1, None), "regex": (None,), "ebnf": (None,), "json_schema": (None,)}
+
 
 @dataclass
 class SamplingParams:
     max_new_tokens: int = 128
+    min_new_tokens: int = 0  # EOS and stop_token_ids cannot be sampled before; stop strings not matched
     temperature: float = 1.0  # 0 means greedy
     top_k: int = -1  # -1: whole vocabulary
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int | None = None  # per-request seed: the same seed gives the same tokens
+    # Penalties (dpserve/worker/sampler.py): OpenAI's over the generated tokens, subtracted from the
+    # logits; repetition as SGLang and Hugging Face, over prompt and generated tokens (> 1 discourages).
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    top_logprobs_num: int = 0  # with return_logprob: the most likely alternatives at each position
+    # Detokenization (the front end's): special tokens in the text, and the matched stop string kept.
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
 
     @classmethod
     def from_dict(cls, d: dict | None) -> SamplingParams:
+        """From SGLang's sampling_params dict: `sampling_seed` is another name for `seed`, and
+        logit_bias keys may be strings (JSON's)."""
         d = dict(d or {})
+        for name, accepted in NEUTRAL.items():
+            if name in d and d.pop(name) not in accepted:
+                raise ValueError(f"{name} is not supported (only {' or '.join(map(_json, accepted))})")
+        if "sampling_seed" in d:
+            seed = d.pop("sampling_seed")
+            if d.get("seed") not in (None, seed):
+                raise ValueError(f"seed={d['seed']} and sampling_seed={seed} differ")
+            d["seed"] = seed
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+        if isinstance(d.get("logit_bias"), dict):
+            d["logit_bias"] = {_token_id(k): v for k, v in d["logit_bias"].items()}
         params = cls(**d)
         params.validate()
         return params
@@ -30,6 +58,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def penalized(self) -> bool:
+        """Whether sampling needs the request's token counts (frequency, presence, repetition)."""
+        return self.frequency_penalty != 0 or self.presence_penalty != 0 or self.repetition_penalty != 1
 
     def validate(self) -> None:
         def number(v) -> bool:
@@ -40,6 +73,11 @@ class SamplingParams:
 
         checks = [
             (integer(self.max_new_tokens) and self.max_new_tokens >= 1, "max_new_tokens must be an int >= 1"),
+            (
+                integer(self.min_new_tokens)
+                and 0 <= self.min_new_tokens <= (self.max_new_tokens if integer(self.max_new_tokens) else 0),
+                "min_new_tokens must be an int in [0, max_new_tokens]",
+            ),
             (number(self.temperature) and self.temperature >= 0.0, "temperature must be a number >= 0"),
             (
                 integer(self.top_k) and (self.top_k == -1 or self.top_k >= 1),
@@ -49,11 +87,46 @@ class SamplingParams:
             (number(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]"),
             (self.seed is None or integer(self.seed), "seed must be an int or None"),
             (
+                number(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0,
+                "frequency_penalty must be in [-2, 2]",
+            ),
+            (
+                number(self.presence_penalty) and -2.0 <= self.presence_penalty <= 2.0,
+                "presence_penalty must be in [-2, 2]",
+            ),
+            (
+                number(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 2.0,
+                "repetition_penalty must be in (0, 2]",
+            ),
+            (
+                isinstance(self.logit_bias, dict)
+                and all(integer(t) and number(b) and -100 <= b <= 100 for t, b in self.logit_bias.items()),
+                "logit_bias must map token ids to numbers in [-100, 100]",
+            ),
+            (
                 isinstance(self.stop_token_ids, list) and all(integer(t) for t in self.stop_token_ids),
                 "stop_token_ids must be a list of ints",
             ),
-            (isinstance(self.ignore_eos, bool), "ignore_eos must be a bool"),
+            (
+                integer(self.top_logprobs_num) and 0 <= self.top_logprobs_num <= 20,
+                "top_logprobs_num must be in [0, 20]",
+            ),
+        ]
+        checks += [
+            (isinstance(getattr(self, name), bool), f"{name} must be a bool")
+            for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim")
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(f"{message}, got {self}")
+
+
+def _token_id(key: object) -> object:
+    """A logit_bias key as a token id ("42" -> 42); anything else is left for validate to refuse."""
+    if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+        return int(key)
+    return key
+
+
+def _json(value: object) -> str:
+    return "null" if value is None else repr(value)

@@ -68,13 +68,22 @@ def engine_cache():
 SMALL_POOL = 96  # KV tokens per DP group of the engines that exercise memory pressure
 
 
+def engine_for(engine_cache, model_dirs, arch: str, tp: int, dp: int, **kwargs) -> Engine:
+    """The tiny `arch` model at (tp, dp), with DP attention when dp > 1 and the parity KV budget
+    (unless `max_total_tokens` sets the pool)."""
+    if "max_total_tokens" not in kwargs:
+        kwargs.setdefault("kv_cache_memory_gb", KV_BUDGET_GB)
+    return engine_cache.get(model_dirs[arch], tp_size=tp, dp_size=dp, enable_dp_attention=dp > 1, **kwargs)
+
+
 def small_pool_engine(engine_cache, model_dirs, tp: int = 2, dp: int = 2, **kwargs) -> Engine:
     """DeepseekV2 with DP attention, a KV pool of SMALL_POOL tokens per group and prefill chunks of 16."""
-    return engine_cache.get(
-        model_dirs["deepseek_v2"],
-        tp_size=tp,
-        dp_size=dp,
-        enable_dp_attention=True,
+    return engine_for(
+        engine_cache,
+        model_dirs,
+        "deepseek_v2",
+        tp,
+        dp,
         max_total_tokens=SMALL_POOL,
         chunked_prefill_size=16,
         **kwargs,
@@ -94,3 +103,13 @@ def assert_matches_reference(outputs: list[dict], refs) -> None:
         compared += n
     # Most prompts must be compared over all tokens, or the test would prove little.
     assert compared >= 0.75 * len(refs) * NEW_TOKENS
+
+
+def assert_expert_load(engine, steps) -> None:
+    """Every MoE layer counted top_k choices of every real row the steps ran (padding excluded), and
+    every step logged its imbalance (the busiest rank's rows over the mean, >= 1)."""
+    top_k = engine.model_cfg.hf.num_experts_per_tok
+    load = engine.get_expert_load()
+    real = sum(s.real_rows for s in steps)
+    assert load and all(sum(layer) == top_k * real for layer in load), (real, [sum(x) for x in load])
+    assert all(s.expert_imbalance >= 1.0 for s in steps)

@@ -170,10 +170,16 @@ def test_main_end_to_end(server: ServerProcess, llama_dir: str, tmp_path, capsys
         "--request-rate", "200", "--max-concurrency", "3", "--disable-tqdm",
         "--baseline", "transformers", "--output-file", str(out_file),
     ]  # fmt: skip
-    result = bs.main(argv)
+    result = bs.main([*argv, "--offline-engine"])
     assert result["completed"] == 6 and result["failed"] == 0 and result["output_len_mismatches"] == 0
     assert result["total_input_tokens"] == 48 and result["total_output_tokens"] == 30
     assert result["baseline"]["total_output_tokens"] == 30
+    # The same requests through the offline Engine with the server's options: 3 running at most.
+    offline = result["offline_engine"]
+    assert offline["total_output_tokens"] == 30 and offline["max_running_requests"] == 3
+    assert result["served_over_offline"] == pytest.approx(
+        result["output_throughput"] / offline["output_throughput"]
+    )
     ratio = result["output_throughput"] / result["baseline"]["output_throughput"]
     assert result["output_throughput_ratio"] == pytest.approx(ratio)
     assert result["model"] == llama_dir and result["max_concurrency"] == 3
@@ -185,6 +191,7 @@ def test_main_end_to_end(server: ServerProcess, llama_dir: str, tmp_path, capsys
     assert saved["machine"]["cpu_count"] >= 1 and saved["machine"]["platform"]
     printed = capsys.readouterr().out
     assert "Successful requests:" in printed and "| dataset | prompts | input len |" in printed
+    assert "Output throughput served/offline:" in printed
 
 
 def test_shared_prefix_and_multi_turn_workloads_hit_the_cache(server: ServerProcess, llama_dir: str) -> None:

@@ -10,7 +10,14 @@ import sys
 import time
 
 import pytest
-from conftest import GREEDY, KV_BUDGET_GB, NEW_TOKENS, assert_matches_reference, small_pool_engine
+from conftest import (
+    GREEDY,
+    KV_BUDGET_GB,
+    NEW_TOKENS,
+    assert_matches_reference,
+    engine_for,
+    small_pool_engine,
+)
 
 from dpserve import Engine
 from dpserve.engine.engine import WorkerFailure
@@ -26,6 +33,9 @@ def test_request_larger_than_pool_is_rejected(engine_cache, model_dirs, prompts,
         engine.generate(input_ids=[1 + i % 200 for i in range(40)], sampling_params=too_big)
     with pytest.raises(ValueError, match="context length is 512"):
         engine.generate(input_ids=[5] * 600, sampling_params=GREEDY)
+    # A request that would run past the context is refused whole, not capped.
+    with pytest.raises(ValueError, match="500 tokens and max_new_tokens is 16: 516 tokens, but the model's"):
+        engine.generate(input_ids=[5] * 500, sampling_params=GREEDY)
     # The engine keeps serving.
     out = engine.generate(input_ids=prompts[1], sampling_params=GREEDY, return_logprob=True)
     assert_matches_reference([out], references["deepseek_v2"][1:2])
@@ -64,13 +74,7 @@ def test_eos_from_generation_config(engine_cache, model_dirs, prompts, tmp_path)
 
 def test_continuous_batching(engine_cache, model_dirs, prompts, references):
     """Requests that arrive while another decodes join the running batch and give the same tokens."""
-    engine = engine_cache.get(
-        model_dirs["deepseek_v3"],
-        tp_size=2,
-        dp_size=2,
-        enable_dp_attention=True,
-        kv_cache_memory_gb=KV_BUDGET_GB,
-    )
+    engine = engine_for(engine_cache, model_dirs, "deepseek_v3", 2, 2)
     long_params = {**GREEDY, "max_new_tokens": 48}
     alone = engine.generate(input_ids=prompts[0], sampling_params=long_params)
     engine.get_step_log()
@@ -86,6 +90,18 @@ def test_continuous_batching(engine_cache, model_dirs, prompts, references):
     # Host work per decode step follows the batch, not the contexts: one table entry per request.
     decode = [s for s in log if s.local_mode == "decode"]
     assert decode and all(s.slots_written == s.tokens[0] for s in decode)
+
+
+def test_offline_routing_follows_the_prefix_cache(engine_cache, model_dirs):
+    """The offline Engine routes as the server does (cache_aware by default): a prompt sharing a
+    64-token beginning with a finished one goes to the group that cached it, unpinned."""
+    engine = engine_for(engine_cache, model_dirs, "deepseek_v3", 2, 2)  # test_continuous_batching's
+    prefix = [3 + (7 * i) % 290 for i in range(64)]
+    first = engine.generate(input_ids=prefix + [5, 6], sampling_params=GREEDY)
+    second = engine.generate(input_ids=prefix + [9, 10, 11], sampling_params=GREEDY)
+    assert second["meta_info"]["dp_rank"] == first["meta_info"]["dp_rank"]
+    assert second["meta_info"]["cached_tokens"] == 64
+    assert engine.get_server_info()["load_balance_method"] == "cache_aware"
 
 
 def test_sampling(engine_cache, model_dirs, prompts):
@@ -120,12 +136,12 @@ def test_killed_worker_raises(engine_cache, model_dirs):
     engine = Engine(
         model_path=model_dirs["llama"], tp_size=2, dp_size=2, enable_dp_attention=True, device="cpu"
     )
-    engine.workers.procs[1].kill()
+    engine.front.workers.procs[1].kill()
     start = time.monotonic()
     with pytest.raises(WorkerFailure, match="worker rank 1 exited with code -9"):
         engine.generate(input_ids=[5, 6, 7], sampling_params=GREEDY)
     assert time.monotonic() - start < 60
-    assert all(not p.is_alive() for p in engine.workers.procs)
+    assert all(not p.is_alive() for p in engine.front.workers.procs)
 
 
 def test_broken_checkpoint_raises(model_dirs, tmp_path):

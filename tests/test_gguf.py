@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dpserve.models.config import ModelConfig
 from dpserve.models.gguf import resolve_model_path
+from dpserve.testing.server import ServerProcess
 
 ALIAS = "smollm2-135m-instruct"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -207,3 +209,32 @@ def test_readme_command_serves_smollm2_and_answers_paris(smol_dir, engine_cache)
     answer = next(line for line in result.stdout.splitlines() if line.startswith("A: "))
     assert "Paris" in answer
     assert "server exited with code 0" in result.stdout
+
+
+def readme_python_blocks() -> list[str]:
+    text = (Path(__file__).parent.parent / "README.md").read_text()
+    return re.findall(r"^```python\n(.*?)^```$", text, flags=re.S | re.M)
+
+
+def test_readme_python_blocks_run_as_written(smol_dir, engine_cache, tmp_path):
+    """Every Python block of README.md, run as a script exactly as written: the OpenAI client's against
+    a server on the README's address (127.0.0.1:30000), the offline Engine's on its own."""
+    engine_cache.close()
+    blocks = readme_python_blocks()
+    client_blocks = [b for b in blocks if "127.0.0.1:30000" in b]
+    assert len(blocks) >= 2 and client_blocks, "README.md lost its Python examples"
+
+    def run(block: str) -> str:
+        script = tmp_path / f"block{blocks.index(block)}.py"
+        script.write_text(block)
+        result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, f"README block failed:\n{block}\n{result.stdout}{result.stderr}"
+        return result.stdout
+
+    with ServerProcess("--model-path", ALIAS, "--tp", "1", port=30000):
+        for block in client_blocks:
+            assert "Paris" in run(block)
+    for block in blocks:
+        if block not in client_blocks:
+            out = run(block)
+            assert "Paris" in out and "Rome" in out, out

@@ -75,14 +75,20 @@ def test_nextn_greedy_matches_reference(
         engine_cache, trained, tp, dp, steps, dp_attention, dp_padding_mode=mode, max_total_tokens=2048
     )
     engine.get_step_log()
+    accepted_before = sum(m["spec_accepted_tokens"] for m in engine.get_metrics())
     outputs = engine.generate(input_ids=nextn_prompts, sampling_params=GREEDY, return_logprob=True)
     assert_matches_reference(outputs, nextn_refs)
     log = engine.get_step_log()
     assert any(s.kind == "verify" for s in log[0]), "no step verified drafts"
     assert all(s.draft_seconds > 0 for g in log for s in g), "a step ran without the MTP forwards"
     assert accept_length(outputs[:-1]) > 1.5  # the synthetic-text prompts
-    metrics = engine.get_metrics()
-    assert sum(m["spec_accepted_tokens"] for m in metrics) > 0
+    # The known figure: as many verify steps as the reference MTP chain takes on the synthetic text,
+    # and every token after each request's first one either an accepted draft or a verify step's own.
+    expected = [reference_verify_steps(trained, p, NEW_TOKENS, steps) for p in nextn_prompts[:-1]]
+    assert [o["meta_info"]["spec_verify_ct"] for o in outputs[:-1]] == expected
+    accepted = sum(m["spec_accepted_tokens"] for m in engine.get_metrics()) - accepted_before
+    meta = [o["meta_info"] for o in outputs]
+    assert accepted == sum(m["completion_tokens"] - 1 - m["spec_verify_ct"] for m in meta)
     if dp == 4:
         # One request alone: three groups run every MTP forward with zero rows; the same tokens.
         alone = engine.generate(input_ids=nextn_prompts[3], sampling_params=GREEDY)
@@ -104,6 +110,17 @@ def expected_verify_steps(prompt: list[int], path: str, max_new_tokens: int, num
     return steps
 
 
+_VERIFY_STEPS: dict = {}
+
+
+def reference_verify_steps(path: str, prompt: list[int], max_new_tokens: int, num_steps: int) -> int:
+    """expected_verify_steps, computed once per prompt and step count."""
+    key = (path, tuple(prompt), max_new_tokens, num_steps)
+    if key not in _VERIFY_STEPS:
+        _VERIFY_STEPS[key] = expected_verify_steps(prompt, path, max_new_tokens, num_steps)
+    return _VERIFY_STEPS[key]
+
+
 @pytest.mark.parametrize("steps", [1, 2])
 def test_nextn_drafts_are_the_mtp_layers(engine_cache, trained, nextn_prompts, steps):
     """Step by step the engine accepts exactly where the pure-torch MTP reference's chains are right
@@ -116,7 +133,7 @@ def test_nextn_drafts_are_the_mtp_layers(engine_cache, trained, nextn_prompts, s
     tails = synthetic_sequences(len(first), 2, seed=99)
     second = [p[: len(p) // 2 + 1] + tail for p, tail in zip(first, tails, strict=True)]
     for run, prompts in enumerate((first, second)):
-        expected = [expected_verify_steps(p, trained, new_tokens, steps) for p in prompts]
+        expected = [reference_verify_steps(trained, p, new_tokens, steps) for p in prompts]
         outputs = engine.generate(input_ids=prompts, sampling_params=params)
         assert [o["meta_info"]["spec_verify_ct"] for o in outputs] == expected, f"run {run}"
     assert all(o["meta_info"]["cached_tokens"] > 0 for o in outputs)
@@ -131,7 +148,14 @@ def test_nextn_with_retraction(engine_cache, trained, nextn_prompts, nextn_refs)
     """A pool several times too small: requests are retracted and resumed (prefilled again, their MTP KV
     rebuilt) while others verify drafts; every output stays the reference's."""
     engine = nextn_engine(
-        engine_cache, trained, 2, 2, 2, max_total_tokens=SMALL_POOL + 64, chunked_prefill_size=16
+        engine_cache,
+        trained,
+        2,
+        2,
+        2,
+        max_total_tokens=SMALL_POOL + 64,
+        chunked_prefill_size=16,
+        load_balance_method="round_robin",  # both copies of a prompt side by side in one group
     )
     outputs = engine.generate(input_ids=nextn_prompts * 2, sampling_params=GREEDY, return_logprob=True)
     for k in range(2):
@@ -165,6 +189,13 @@ def test_nextn_server(trained, nextn_prompts, nextn_refs):
             n = ref.compare_len
             assert out["output_ids"][:n] == ref.output_ids[:n]
             assert 1 <= out["meta_info"]["spec_verify_ct"] < out["meta_info"]["completion_tokens"]
+            # The group's first request: every token after its first is an accepted draft or a verify
+            # step's own token.
+            meta = out["meta_info"]
+            assert (
+                spec_metric(server, "accepted_tokens", g)
+                == meta["completion_tokens"] - 1 - meta["spec_verify_ct"]
+            )
             # A stop token inside a run of accepted drafts: nothing after it is emitted.
             stop = out["output_ids"][9]
             cut = out["output_ids"].index(stop)
@@ -172,12 +203,16 @@ def test_nextn_server(trained, nextn_prompts, nextn_refs):
             stopped = httpx.post(f"{server.url}/generate", json={**body, "sampling_params": params}).json()
             assert stopped["output_ids"] == out["output_ids"][: cut + 1]
             assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
-        text = httpx.get(f"{server.url}/metrics").text
-    values = {k: float(v) for k, v in (line.rsplit(" ", 1) for line in text.splitlines() if line[0] != "#")}
-    for g in (0, 1):
-        assert values[f'dpserve_spec_draft_tokens_total{{dp_rank="{g}"}}'] > 0
-        assert values[f'dpserve_spec_accepted_tokens_total{{dp_rank="{g}"}}'] > 0
-        assert values[f'dpserve_spec_accept_length{{dp_rank="{g}"}}'] > 1.5
+        for g in (0, 1):
+            assert spec_metric(server, "draft_tokens", g) > 0
+            assert spec_metric(server, "accept_length", g) > 1.5
+
+
+def spec_metric(server: ServerProcess, name: str, dp_rank: int) -> float:
+    """dpserve_spec_{name} (a counter's _total) of one DP rank, from /metrics."""
+    text = httpx.get(f"{server.url}/metrics").text
+    prefix = f'dpserve_spec_{name}{"" if name == "accept_length" else "_total"}{{dp_rank="{dp_rank}"}} '
+    return float(next(line for line in text.splitlines() if line.startswith(prefix)).split()[-1])
 
 
 def test_nextn_triton_backend(engine_cache, trained, nextn_prompts, nextn_refs):
@@ -188,4 +223,4 @@ def test_nextn_triton_backend(engine_cache, trained, nextn_prompts, nextn_refs):
     engine.get_step_log()
     outputs = engine.generate(input_ids=nextn_prompts[:3], sampling_params=GREEDY, return_logprob=True)
     assert_matches_reference(outputs, nextn_refs[:3])
-    assert any(s.kind == "verify" and s.graph for s in engine.get_step_log()[0])
+    assert any(s.kind == "verify" and s.padded for s in engine.get_step_log()[0])

@@ -1,14 +1,14 @@
-"""Padding modes and graph (padded) decode steps under DP attention (design section 4)."""
+"""Padding modes and graph (padded) decode steps under DP attention (docs/design.md, section 4)."""
 
 from __future__ import annotations
 
 import random
 
 import pytest
-from conftest import GREEDY, KV_BUDGET_GB, NEW_TOKENS, assert_matches_reference
+from conftest import GREEDY, NEW_TOKENS, assert_matches_reference, engine_for
 
 from dpserve.distributed import Topology
-from dpserve.engine.padding import CostModel, Curve, PaddingPlanner
+from dpserve.step.padding import CostModel, Curve, PaddingPolicy
 
 # (tp, dp, arch); the unpadded sum_len engine of each layout is the baseline.
 LAYOUTS = [(2, 2, "deepseek_v2"), (4, 4, "deepseek_v3")]
@@ -19,16 +19,10 @@ MODES = [("auto", False), ("auto", True), ("max_len", True), ("sum_len", True)]
 _baselines: dict[tuple[int, int], dict[str, list[dict]]] = {}
 
 
-def engine_for(engine_cache, model_dirs, arch, tp, dp, mode, padded, **kwargs):
-    return engine_cache.get(
-        model_dirs[arch],
-        tp_size=tp,
-        dp_size=dp,
-        enable_dp_attention=True,
-        kv_cache_memory_gb=KV_BUDGET_GB,
-        dp_padding_mode=mode,
-        disable_cuda_graph=not padded,
-        **kwargs,
+def padding_engine(engine_cache, model_dirs, arch, tp, dp, mode, padded, **kwargs):
+    """DP attention in padding mode `mode`, padded decode steps or none."""
+    return engine_for(
+        engine_cache, model_dirs, arch, tp, dp, dp_padding_mode=mode, disable_cuda_graph=not padded, **kwargs
     )
 
 
@@ -41,7 +35,7 @@ def run_loads(engine, prompts) -> dict[str, list[dict]]:
 
 def layout_log(log: list) -> list[tuple]:
     """What every DP group must log identically for a step (not its local mode or timing)."""
-    return [(s.kind, s.padding_mode, s.tokens, s.real_rows, s.mlp_rows, s.graph) for s in log]
+    return [(s.kind, s.padding_mode, s.tokens, s.real_rows, s.mlp_rows, s.padded) for s in log]
 
 
 def assert_same_outputs(outputs: list[dict], expected: list[dict]) -> None:
@@ -54,12 +48,12 @@ def assert_same_outputs(outputs: list[dict], expected: list[dict]) -> None:
 
 def baseline(engine_cache, model_dirs, prompts, references, tp, dp, arch) -> dict[str, list[dict]]:
     if (tp, dp) not in _baselines:
-        engine = engine_for(engine_cache, model_dirs, arch, tp, dp, "sum_len", padded=False)
+        engine = padding_engine(engine_cache, model_dirs, arch, tp, dp, "sum_len", padded=False)
         loads = run_loads(engine, prompts)
         for outputs in loads.values():
             assert_matches_reference(outputs, references[arch])
         steps = [s for log in engine.get_step_log() for s in log]
-        assert steps and not any(s.graph for s in steps)
+        assert steps and not any(s.padded for s in steps)
         assert all(s.mlp_rows == s.real_rows == sum(s.tokens) for s in steps)
         _baselines[(tp, dp)] = loads
     return _baselines[(tp, dp)]
@@ -69,7 +63,7 @@ def baseline(engine_cache, model_dirs, prompts, references, tp, dp, arch) -> dic
 @pytest.mark.parametrize("tp,dp,arch", LAYOUTS)
 def test_padded_matches_unpadded(engine_cache, model_dirs, prompts, references, tp, dp, arch, mode, padded):
     expected = baseline(engine_cache, model_dirs, prompts, references, tp, dp, arch)
-    engine = engine_for(engine_cache, model_dirs, arch, tp, dp, mode, padded)
+    engine = padding_engine(engine_cache, model_dirs, arch, tp, dp, mode, padded)
     engine.get_step_log()
     loads = run_loads(engine, prompts)
     for load, outputs in loads.items():
@@ -81,11 +75,11 @@ def test_padded_matches_unpadded(engine_cache, model_dirs, prompts, references, 
     assert any(s.tokens[0] == sum(s.tokens) > 1 for s in decode), "no unbalanced decode step"
     for s in logs[0]:
         assert s.real_rows == sum(s.tokens)
-        assert s.graph == (padded and s.kind == "decode")  # the default buckets hold every decode step
+        assert s.padded == (padded and s.kind == "decode")  # the default buckets hold every decode step
         if mode != "auto":
             assert s.padding_mode == mode
         a = tp // dp
-        if not s.graph:
+        if not s.padded:
             m = -(-max(s.tokens) // a) * a
             assert s.mlp_rows == (s.real_rows if s.padding_mode == "sum_len" else dp * m)
         elif s.padding_mode == "sum_len":
@@ -97,19 +91,19 @@ def test_padded_matches_unpadded(engine_cache, model_dirs, prompts, references, 
 @pytest.mark.parametrize("mode,rows", [("sum_len", 1), ("max_len", 4)])
 def test_one_request_moe_rows(engine_cache, model_dirs, prompts, references, mode, rows):
     """At (4,4) with one request in flight, sum_len's MoE runs 1 row where max_len's runs 4."""
-    engine = engine_for(engine_cache, model_dirs, "deepseek_v3", 4, 4, mode, padded=True)
+    engine = padding_engine(engine_cache, model_dirs, "deepseek_v3", 4, 4, mode, padded=True)
     engine.get_step_log()
     out = engine.generate(input_ids=prompts[0], sampling_params=GREEDY, return_logprob=True)
     assert_matches_reference([out], references["deepseek_v3"][:1])
     decode = [s for s in engine.get_step_log()[0] if s.kind == "decode"]
     assert len(decode) == NEW_TOKENS - 1
-    assert {(s.padding_mode, s.real_rows, s.mlp_rows, s.graph) for s in decode} == {(mode, 1, rows, True)}
+    assert {(s.padding_mode, s.real_rows, s.mlp_rows, s.padded) for s in decode} == {(mode, 1, rows, True)}
 
 
 def test_auto_keeps_graphs_past_the_largest_bucket(engine_cache, model_dirs, prompts, references):
     """Buckets 1, 2, 4: six requests over two groups sum to 6 > 4, so auto takes max_len's
     bucket(3) = 4 and stays padded; only a group of more than 4 requests runs eager, and says so."""
-    engine = engine_for(
+    engine = padding_engine(
         engine_cache, model_dirs, "deepseek_v2", 2, 2, "auto", padded=True, cuda_graph_max_bs=4
     )
     engine.get_step_log()
@@ -117,8 +111,8 @@ def test_auto_keeps_graphs_past_the_largest_bucket(engine_cache, model_dirs, pro
     assert_matches_reference(outputs, references["deepseek_v2"])
     decode = [s for s in engine.get_step_log()[0] if s.kind == "decode"]
     full = [s for s in decode if s.tokens == (3, 3)]
-    assert full and all(s.graph and s.padding_mode == "max_len" and s.mlp_rows == 8 for s in full)
-    assert all(s.graph for s in decode if max(s.tokens) <= 4)
+    assert full and all(s.padded and s.padding_mode == "max_len" and s.mlp_rows == 8 for s in full)
+    assert all(s.padded for s in decode if max(s.tokens) <= 4)
     # All on group 0, finishing one after another: 6, 5, ... requests decode there.
     lengths = [NEW_TOKENS - 2 * i for i in range(len(prompts))]
     rids = [
@@ -129,14 +123,14 @@ def test_auto_keeps_graphs_past_the_largest_bucket(engine_cache, model_dirs, pro
         k = min(n, ref.compare_len)
         assert engine.wait(rid)["output_ids"][:k] == ref.output_ids[:k]
     decode = [s for s in engine.get_step_log()[0] if s.kind == "decode"]
-    assert {s.graph for s in decode if s.tokens[0] > 4} == {False}
-    assert {s.graph for s in decode if s.tokens[0] <= 4} == {True}
+    assert {s.padded for s in decode if s.tokens[0] > 4} == {False}
+    assert {s.padded for s in decode if s.tokens[0] <= 4} == {True}
 
 
 def test_ranks_agree_under_shifting_loads(engine_cache, model_dirs, prompts, references):
     """(4,2) with auto and small buckets: requests of different lengths arrive on either group
     while others decode, so every step has a different split; no rank disagrees or hangs."""
-    engine = engine_for(
+    engine = padding_engine(
         engine_cache, model_dirs, "deepseek_v3", 4, 2, "auto", padded=True, cuda_graph_bs=(1, 2, 4)
     )
     engine.get_step_log()
@@ -156,17 +150,17 @@ def test_ranks_agree_under_shifting_loads(engine_cache, model_dirs, prompts, ref
         assert len(out["output_ids"]) == n and out["output_ids"][:k] == ref.output_ids[:k]
     logs = engine.get_step_log()
     assert len(logs[0]) > 40 and layout_log(logs[0]) == layout_log(logs[1])
-    kinds = {(s.kind, s.padding_mode, s.graph) for s in logs[0]}
+    kinds = {(s.kind, s.padding_mode, s.padded) for s in logs[0]}
     assert ("decode", "max_len", True) in kinds  # sums past 4 with both groups at most 4
-    assert any(s.kind == "decode" and not s.graph for s in logs[0])  # a group past 4: eager, counted
+    assert any(s.kind == "decode" and not s.padded for s in logs[0])  # a group past 4: eager, counted
     assert len({s.tokens for s in logs[0]}) > 10
 
 
 # --- pieces on their own --------------------------------------------------------------------
 
 
-def planner(mode: str, tp: int, dp: int, rank: int = 0, cost: CostModel | None = None) -> PaddingPlanner:
-    p = PaddingPlanner(mode, [1, 2, 4, 8], Topology(tp, dp, rank))
+def policy(mode: str, tp: int, dp: int, rank: int = 0, cost: CostModel | None = None) -> PaddingPolicy:
+    p = PaddingPolicy(mode, [1, 2, 4, 8], Topology(tp, dp, rank), max_kv_len=512)
     p.cost = cost
     return p
 
@@ -179,36 +173,36 @@ def linear_cost(sum_len_per_row: float, max_len_per_row: float) -> CostModel:
     )
 
 
-def test_planner_choices():
-    auto = planner("auto", 4, 4, cost=linear_cost(1.0, 4.0))  # MoE-bound: max_len pays 4 rows per M
-    one = auto.step([1, 0, 0, 0], [1, 0, 0, 0], can_pad=True)
+def test_policy_choices():
+    auto = policy("auto", 4, 4, cost=linear_cost(1.0, 4.0))  # MoE-bound: max_len pays 4 rows per M
+    one = auto.layout([1, 0, 0, 0], [1, 0, 0, 0], can_pad=True)
     assert (one.mode, one.bucket, one.mlp_rows, one.local_rows) == ("sum_len", 1, 1, 1)
     # Balanced 8 x 4 = 32 > 8: sum_len has no graph, max_len's bucket(8) = 8 does.
-    full = auto.step([8, 8, 8, 8], [8] * 4, can_pad=True)
-    assert (full.mode, full.bucket, full.mlp_rows, full.graph) == ("max_len", 8, 32, True)
+    full = auto.layout([8, 8, 8, 8], [8] * 4, can_pad=True)
+    assert (full.mode, full.bucket, full.mlp_rows, full.padded) == ("max_len", 8, 32, True)
     # Past every bucket, or a prefill in some group: eager, the cheaper mode at the real sizes.
-    eager = auto.step([9, 1, 0, 0], [1, 1, 0, 0], can_pad=True)
-    assert (eager.mode, eager.bucket, eager.graph, eager.mlp_rows) == ("sum_len", None, False, 10)
-    prefill = auto.step([1, 1, 1, 1], [1] * 4, can_pad=False)
-    assert (prefill.mode, prefill.graph, prefill.mlp_rows) == ("sum_len", False, 4)
+    eager = auto.layout([9, 1, 0, 0], [1, 1, 0, 0], can_pad=True)
+    assert (eager.mode, eager.bucket, eager.padded, eager.mlp_rows) == ("sum_len", None, False, 10)
+    prefill = auto.layout([1, 1, 1, 1], [1] * 4, can_pad=False)
+    assert (prefill.mode, prefill.padded, prefill.mlp_rows) == ("sum_len", False, 4)
     # When the all-reduce path is dear, auto takes max_len even though sum_len has a graph.
-    dear_sum = planner("auto", 4, 4, cost=linear_cost(10.0, 1.0))
-    assert dear_sum.step([1, 1, 1, 1], [1] * 4, can_pad=True).mode == "max_len"
+    dear_sum = policy("auto", 4, 4, cost=linear_cost(10.0, 1.0))
+    assert dear_sum.layout([1, 1, 1, 1], [1] * 4, can_pad=True).mode == "max_len"
     # Padded sum_len rows of group 2 land after groups 0 and 1; padding goes to the spare row.
-    s = planner("sum_len", 4, 4, rank=2).step([2, 1, 2, 0], [2, 1, 2, 0], can_pad=True)
-    assert (s.bucket, s.local_rows, s.row_index()) == (8, 8, [3, 4] + [8] * 6)
-    m = planner("max_len", 4, 2, rank=2).step([3, 1], [3, 1], can_pad=True)
-    assert (m.bucket, m.padded_len, m.mlp_rows, m.row_index()) == (4, 4, 8, [4, 5, 6, 7])
+    s = policy("sum_len", 4, 4, rank=2).layout([2, 1, 2, 0], [2, 1, 2, 0], can_pad=True)
+    assert (s.bucket, s.local_rows, s.row_index("cpu").tolist()) == (8, 8, [3, 4] + [8] * 6)
+    m = policy("max_len", 4, 2, rank=2).layout([3, 1], [3, 1], can_pad=True)
+    assert (m.bucket, m.padded_len, m.mlp_rows, m.local_rows) == (4, 4, 8, 4)
 
 
-def test_planner_agrees_on_every_rank():
+def test_policy_agrees_on_every_rank():
     """The choice depends only on the gathered sizes: every rank of a (8, 4) layout agrees."""
-    planners = [planner("auto", 8, 4, rank=r, cost=linear_cost(1.0, 3.0)) for r in range(8)]
+    policies = [policy("auto", 8, 4, rank=r, cost=linear_cost(1.0, 3.0)) for r in range(8)]
     rng = random.Random(0)
     for _ in range(500):
         tokens = [rng.choice([0, 0, 1, 2, 3, 7, 12, 40]) for _ in range(4)]
         can_pad = rng.random() < 0.8
-        steps = [p.step(tokens, tokens, can_pad) for p in planners]
+        steps = [p.layout(tokens, tokens, can_pad) for p in policies]
         assert len({(s.mode, s.bucket, s.mlp_rows) for s in steps}) == 1
 
 

@@ -3,20 +3,20 @@
 from __future__ import annotations
 
 import pytest
-from conftest import ARCHS, GREEDY, KV_BUDGET_GB, assert_matches_reference
+from conftest import (
+    ARCHS,
+    GREEDY,
+    KV_BUDGET_GB,
+    NEW_TOKENS,
+    assert_expert_load,
+    assert_matches_reference,
+    engine_for,
+)
+
+from dpserve.models.deepseek import mha_is_cheaper
+from dpserve.testing.reference import hf_greedy_reference
 
 LAYOUTS = [(1, 1), (2, 1), (2, 2), (4, 2), (4, 4)]
-
-
-def engine_for(engine_cache, model_dirs, arch, tp, dp, **kwargs):
-    return engine_cache.get(
-        model_dirs[arch],
-        tp_size=tp,
-        dp_size=dp,
-        enable_dp_attention=dp > 1,
-        kv_cache_memory_gb=KV_BUDGET_GB,
-        **kwargs,
-    )
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -27,6 +27,11 @@ def test_greedy_parity(engine_cache, model_dirs, prompts, references, arch, tp, 
     assert_matches_reference(outputs, references[arch])
     # Round robin spreads the batch over every DP group.
     assert sorted({o["meta_info"]["dp_rank"] for o in outputs}) == list(range(dp))
+    if arch != "llama" and (tp, dp) == (2, 2):  # TP MoE records its expert load too
+        engine.get_step_log()
+        engine.get_expert_load()
+        engine.generate(input_ids=prompts, sampling_params=GREEDY)
+        assert_expert_load(engine, engine.get_step_log()[0])
     if (tp, dp) == (4, 4):
         # One request at a time: three of four groups run idle batches in every step.
         alone = engine.generate(input_ids=prompts[0], sampling_params=GREEDY, return_logprob=True)
@@ -91,3 +96,55 @@ def test_triton_backend_parity(engine_cache, model_dirs, prompts, references, ar
     outputs = engine.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True)
     assert_matches_reference(outputs, references[arch])
     assert engine.get_server_info()["attention_backend"] == "triton"
+
+
+@pytest.mark.parametrize("arch,tp,dp", [("deepseek_v3", 2, 2), ("llama", 1, 1)])
+def test_sdpa_reference_backend_parity(engine_cache, model_dirs, prompts, references, arch, tp, dp):
+    """The reference backend through the whole engine (the CPU's default is the torch backend)."""
+    engine = engine_for(engine_cache, model_dirs, arch, tp, dp, attention_backend="sdpa")
+    outputs = engine.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True)
+    assert_matches_reference(outputs, references[arch])
+    assert engine.get_server_info()["attention_backend"] == "sdpa"
+
+
+@pytest.mark.parametrize(
+    "arch,tp,dp,backend",
+    [
+        ("deepseek_v2", 1, 1, "torch"),
+        ("deepseek_v3", 2, 2, "torch"),
+        ("deepseek_v2", 4, 2, "torch"),
+        ("deepseek_v3", 1, 1, "triton"),
+    ],
+)
+def test_mla_multi_head_prefill_parity(engine_cache, model_dirs, prompts, references, arch, tp, dp, backend):
+    """MLA prefill in the multi-head form (forced: at the tiny models' sizes auto picks the absorbed
+    one): prompts prefilled in chunks of 8 (later chunks expand their cached prefix), then prompts
+    sharing a cached beginning with them and diverging (a prefix-cache hit, then several new tokens)."""
+    engine = engine_for(
+        engine_cache,
+        model_dirs,
+        arch,
+        tp,
+        dp,
+        mla_prefill="multi_head",
+        chunked_prefill_size=8,
+        attention_backend=backend,
+        dp_padding_mode="sum_len",
+    )
+    outputs = engine.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True)
+    assert_matches_reference(outputs, references[arch])
+    diverging = [p[: len(p) // 2] + [7, 8, 9, 10, 11] for p in prompts]
+    again = engine.generate(input_ids=diverging, sampling_params=GREEDY, return_logprob=True)
+    assert sum(o["meta_info"]["cached_tokens"] for o in again) > 0
+    assert_matches_reference(again, hf_greedy_reference(model_dirs[arch], diverging, NEW_TOKENS))
+
+
+def test_mla_form_rule():
+    """mha_is_cheaper at DeepSeek-V3's per-rank sizes (128 heads at attention TP 1): a long prefill
+    takes the multi-head form, a short extend after a long cached prefix and a decode token the
+    absorbed one; at the tiny test models' sizes even a whole prefill stays absorbed on the CPU."""
+    v3 = dict(heads=128, rank=512, rope=64, nope=128, v=128)
+    assert mha_is_cheaper(2048, 2048, **v3, on_gpu=True) and mha_is_cheaper(2048, 2048, **v3, on_gpu=False)
+    assert not mha_is_cheaper(16, 8192, **v3, on_gpu=True)
+    assert not mha_is_cheaper(1, 4096, **v3, on_gpu=False)
+    assert not mha_is_cheaper(20, 20, heads=4, rank=32, rope=16, nope=16, v=16, on_gpu=False)

@@ -6,16 +6,23 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import os
+import sys
+from dataclasses import asdict
+from datetime import datetime, timedelta, timezone
 
 import pytest
 
 from dpserve import Engine
-from dpserve.engine.workers import free_port
+from dpserve.config import EngineConfig
+from dpserve.engine.worker_pool import free_port
 from dpserve.memory import agree_min
+from dpserve.plan import profiles
+from dpserve.plan.__main__ import dry_run
 from dpserve.plan.__main__ import main as plan_main
 from dpserve.plan.layouts import Layout, layout_memory
 from dpserve.plan.model import load
-from dpserve.plan.report import SCHEMA
+from dpserve.plan.report import SCHEMA, _ranges
 
 SMOLLM2 = "smollm2-135m-instruct"
 KV_GB = 0.004
@@ -184,3 +191,169 @@ def test_bundled_smollm2_config_matches_the_engines_conversion():
             converted.kv_bytes_per_token,
             converted.kv_tokens_per_group,
         )
+
+
+def _markdown_table(out: str) -> list[dict[str, str]]:
+    lines = [line for line in out.splitlines() if line.startswith("| ")]
+    cols = [c.strip() for c in lines[0].strip("|").split("|")]
+    return [
+        dict(zip(cols, (c.strip() for c in line.strip("|").split("|")), strict=True)) for line in lines[1:]
+    ]
+
+
+def test_tpot_target_sets_the_tables_figures(capsys):
+    """With --tpot-ms the table shows, per layout, the largest concurrency whose step is within the
+    target and its throughput; the recommendation quotes a figure of the table; --json the same."""
+    base = ["--model", "deepseek-v2-lite", "--device-profile", "h100", "--num-gpus", "8"]
+    plan_main([*base, "--markdown"])
+    assert list(_markdown_table(capsys.readouterr().out)[0]) == [
+        "layout",
+        "weights/rank GiB",
+        "KV B/token/rank",
+        "KV tokens/group",
+        "KV tokens total",
+        "max conc",
+        "step ms @1",
+        "step ms @conc",
+        "tok/s @conc",
+        "mode @conc",
+        "prefill chunk ms",
+    ]  # fmt: skip: without a target, the columns of before
+
+    plan_main([*base, "--tpot-ms", "10", "--markdown"])
+    out = capsys.readouterr().out
+    table = {row["layout"]: row for row in _markdown_table(out)}
+    assert "tok/s @conc" not in table["tp8"]  # the most that fits, far over the target
+    for row in table.values():
+        assert float(row["step ms @TPOT"]) <= 10
+    best = max(table.values(), key=lambda r: float(r["tok/s @TPOT"]))
+    rec = f"({best['layout']}): {best['tok/s @TPOT']} tok/s at concurrency {best['conc @TPOT']} "
+    assert rec in out
+
+    plan_main([*base, "--tpot-ms", "10", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert data["recommendations"]["highest_throughput"]["step"]["batch"] == int(best["conc @TPOT"])
+    for lay in data["layouts"]:
+        if lay["name"] in table:
+            got = lay["best_under_tpot"]
+            assert (str(got["batch"]), f"{got['tokens_per_s']:.0f}") == (
+                table[lay["name"]]["conc @TPOT"],
+                table[lay["name"]]["tok/s @TPOT"],
+            )
+    # the largest such batch: one more request takes longer than the target
+    tp8 = table["tp8"]
+    b = int(tp8["conc @TPOT"])
+    plan_main([*base, "--layout", "8:1", "--batch-size", str(b), str(b + 1), "--json"])
+    steps = json.loads(capsys.readouterr().out)["layouts"][0]["decode"]
+    assert steps[0]["step_ms"] <= 10 < steps[1]["step_ms"]
+
+
+def test_indivisible_dp_summarised_in_one_line(capsys):
+    """DP attention layouts whose dp does not divide tp: one line; other reasons keep their own."""
+    assert _ranges([3, 5, 6, 7, 9, 10, 11, 12, 13, 14, 15]) == "3, 5-7, 9-15"
+    assert _ranges([3, 5, 6]) == "3, 5, 6"
+    plan_main(["--model", "smollm2-135m", "--device-profile", "h100", "--num-gpus", "8"])
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("not possible")]
+    assert "not possible: dp 3, 5-7: tp 8 must be divisible by dp (attention TP = tp / dp)" in lines
+    assert not any("dp3" in line for line in lines)
+    # 9 attention heads over 2, 4 or 8 ranks: the engine's reason, per layout
+    assert any(line.startswith("not possible: tp8: num_attention_heads=9") for line in lines)
+
+
+def _fake_cpu_profile() -> profiles.DeviceProfile:
+    return profiles.DeviceProfile(
+        name="cpu", device="cpu", memory_bytes=0, mem_bw=10e9, flops=100e9, intra_bw=1e9,
+        intra_alpha=100e-6, inter_bw=1e9, inter_alpha=100e-6, cores=os.cpu_count() or 1, op_overhead=5e-6,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def cpu_cache(tmp_path, monkeypatch):
+    """A cpu profile cache in tmp_path, measured by a fake: returns the list of measurements made."""
+    monkeypatch.setenv("DPSERVE_CACHE", str(tmp_path))
+    measured = []
+
+    def measure():
+        measured.append(1)
+        return _fake_cpu_profile()
+
+    monkeypatch.setattr(profiles, "measure_cpu", measure)
+    return measured
+
+
+def _rewrite_cache(**provenance) -> None:
+    path = profiles.cpu_profile_path()
+    data = json.loads(path.read_text())
+    data["provenance"].update(provenance)
+    path.write_text(json.dumps(data))
+
+
+def test_cpu_profile_remeasured_when_stale_or_foreign(cpu_cache, monkeypatch, capsys):
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.25, 0.0, 0.0))
+    profiles.get_profile("cpu")
+    assert len(cpu_cache) == 1
+    prov = json.loads(profiles.cpu_profile_path().read_text())["provenance"]
+    assert prov["load"] == 0.25 and prov["cores"] == os.cpu_count()
+    assert set(prov) == {"measured_at", "load", "cores", "torch", "cpu_model"}
+    profiles.get_profile("cpu")
+    assert len(cpu_cache) == 1  # fresh and from this machine: reused
+    old = datetime.now(timezone.utc) - profiles.MAX_AGE - timedelta(hours=1)
+    _rewrite_cache(measured_at=old.isoformat())
+    profiles.get_profile("cpu")
+    assert len(cpu_cache) == 2 and "days old" in capsys.readouterr().err
+    _rewrite_cache(torch="1.0.0")
+    profiles.get_profile("cpu")
+    assert len(cpu_cache) == 3 and "torch '1.0.0'" in capsys.readouterr().err
+    # a cache of before provenance was recorded
+    path = profiles.cpu_profile_path()
+    path.write_text(json.dumps(asdict(_fake_cpu_profile()) | {"provenance": {}}))
+    profiles.get_profile("cpu")
+    assert len(cpu_cache) == 4
+    profiles.get_profile("cpu", remeasure=True)
+    assert len(cpu_cache) == 5
+
+
+@pytest.mark.parametrize("load_per_core", [0.1, 0.9])
+def test_cpu_profile_provenance_printed(cpu_cache, monkeypatch, capsys, load_per_core):
+    cores = os.cpu_count() or 1
+    monkeypatch.setattr(os, "getloadavg", lambda: (load_per_core * cores, 0.0, 0.0))
+    plan_main(["--model", "smollm2-135m", "--device-profile", "cpu", "--layout", "1:1", "--markdown"])
+    out = capsys.readouterr().out.splitlines()
+    when = datetime.now(timezone.utc).strftime("%Y-%m-%d")
+    assert out[0].startswith(f"cpu profile measured {when} ")
+    assert out[0].endswith(
+        f" UTC, load {load_per_core * cores:.1f} on {cores} cores; --remeasure to measure again"
+    )
+    busy = out[1].startswith("warning: the machine was busy")
+    assert busy == (load_per_core > 0.5)
+    assert out[1 + busy].startswith("smollm2-135m")  # then the table
+
+
+def test_plot_without_matplotlib(monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    argv = ["--model", "smollm2-135m", "--device-profile", "h100", "--plot", str(tmp_path / "p.png")]
+    assert plan_main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "pip install matplotlib" in err
+
+
+def test_layout_syntax_rejected(capsys):
+    for spec in ("8-2", "8:2:atn", "8"):
+        with pytest.raises(SystemExit) as exit_:
+            plan_main(["--model", "deepseek-v3", "--layout", spec])
+        assert exit_.value.code == 2
+        assert f"'{spec}': expected TP:DP[:attn], e.g. 8:2:attn" in capsys.readouterr().err
+
+
+def test_dry_run_of_an_impossible_layout(capsys):
+    """launch_server --dry-run: exit code 2 and the engine's reason; a bundled name as --model-path."""
+    too_big = EngineConfig(model_path="deepseek-v3", tp_size=8)
+    assert dry_run(too_big, "h100") == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "--tp 8 --dp 1 cannot run deepseek-v3: does not fit: weights" in err
+    heads = EngineConfig(model_path="smollm2-135m", tp_size=2)
+    assert dry_run(heads, "h100") == 2
+    assert "num_attention_heads=9 is not divisible by 2" in capsys.readouterr().err
+    ok = EngineConfig(model_path="deepseek-v2-lite", tp_size=8, dp_size=8, enable_dp_attention=True)
+    assert dry_run(ok, "h100") == 0
+    assert "tp8 dp8 dp-attn" in capsys.readouterr().out

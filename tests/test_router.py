@@ -6,7 +6,13 @@ import random
 
 import pytest
 
-from dpserve.server.router import CacheAwarePolicy, Router
+from dpserve.config import EngineConfig
+from dpserve.engine.router import Router
+
+
+def router(groups: int, method: str = "cache_aware", **options) -> Router:
+    """A router over `groups` replicas (routing is the same over DP attention groups)."""
+    return Router(EngineConfig("unused", dp_size=groups, load_balance_method=method, **options))
 
 
 def ids(n: int, first: int = 0) -> list[int]:
@@ -14,13 +20,13 @@ def ids(n: int, first: int = 0) -> list[int]:
 
 
 def test_round_robin_alternates():
-    r = Router(3, "round_robin")
+    r = router(3, "round_robin")
     assert [r.route(str(i), ids(100 * i + 1), 10) for i in range(7)] == [0, 1, 2, 0, 1, 2, 0]
 
 
 def test_pinned_requests_count_but_keep_their_group():
     for method in ("minimum_tokens", "cache_aware"):
-        r = Router(2, method)
+        r = router(2, method)
         assert [r.route(str(i), ids(50), 50, pinned=1) for i in range(3)] == [1, 1, 1]
         assert r.outstanding_tokens == [0, 300] and r.route("x", ids(10, 500), 10) == 0
         with pytest.raises(ValueError, match=r"data_parallel_rank=2 is outside \[0, 2\)"):
@@ -28,7 +34,7 @@ def test_pinned_requests_count_but_keep_their_group():
 
 
 def test_outstanding_tokens_follow_progress():
-    r = Router(2)
+    r = router(2)
     r.route("a", ids(30), 10)
     assert r.outstanding_tokens == [40, 0]
     r.on_token("a")  # the first token: the prompt is prefilled
@@ -47,7 +53,7 @@ def test_minimum_tokens_spreads_a_skewed_burst():
     largest = max(p + d for p, d in sizes)
     spread = {}
     for method in ("minimum_tokens", "shortest_queue", "round_robin"):
-        r = Router(4, method)
+        r = router(4, method)
         for i, (p, d) in enumerate(sizes):
             r.route(str(i), ids(p, 10 * i), d)
             if method == "minimum_tokens":
@@ -65,7 +71,7 @@ def test_cache_aware_keeps_a_conversation_on_its_group():
     """Each turn extends the previous prompt (history + answer + new question): it goes where the
     history went, whatever else arrives meanwhile."""
     rng = random.Random(1)
-    r = Router(4, "cache_aware")
+    r = router(4, "cache_aware")
     conversations = {c: [rng.randrange(3, 1000) for _ in range(40)] for c in range(8)}
     groups: dict[int, set[int]] = {c: set() for c in conversations}
     for turn in range(5):  # the conversations' turns are in flight together
@@ -79,8 +85,7 @@ def test_cache_aware_keeps_a_conversation_on_its_group():
 
 
 def test_cache_aware_flood_with_one_prefix_spreads_past_the_load_gap():
-    policy = CacheAwarePolicy(balance_abs_threshold=1000, balance_rel_threshold=1.5)
-    r = Router(2, "cache_aware", policy)
+    r = router(2, balance_abs_threshold=1000, balance_rel_threshold=1.5)
     system = ids(200, 5000)
     routed = [r.route(str(i), system + [i], 100) for i in range(20)]  # never finishing: load grows
     first_switch = routed.index(1)
@@ -92,7 +97,7 @@ def test_cache_aware_flood_with_one_prefix_spreads_past_the_load_gap():
 
 
 def test_cache_aware_tree_is_bounded_and_forgets_least_recent():
-    r = Router(1, "cache_aware", CacheAwarePolicy(max_tree_tokens=100))
+    r = router(1, max_tree_size=100)
     for i in range(10):
         r.route(str(i), ids(30, 1000 * i), 1)
     assert r.trees[0].size <= 100
@@ -102,6 +107,6 @@ def test_cache_aware_tree_is_bounded_and_forgets_least_recent():
 
 def test_cache_aware_policy_is_validated():
     with pytest.raises(ValueError, match="cache_threshold must be in"):
-        CacheAwarePolicy(cache_threshold=1.5)
+        router(2, cache_threshold=1.5)
     with pytest.raises(ValueError, match="balance thresholds"):
-        CacheAwarePolicy(balance_rel_threshold=0.5)
+        router(2, balance_rel_threshold=0.5)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from dpserve.engine.sampler import sample
 from dpserve.sampling_params import SamplingParams
+from dpserve.worker.sampler import sample
 
 PROBS = torch.tensor([0.4, 0.3, 0.2, 0.1])
 
@@ -13,7 +13,7 @@ PROBS = torch.tensor([0.4, 0.3, 0.2, 0.1])
 def draws(params: SamplingParams, n: int = 300) -> set[int]:
     logits = PROBS.log().repeat(n, 1)
     gen = torch.Generator().manual_seed(0)
-    tokens, _ = sample(logits, [params] * n, [gen] * n)
+    tokens = sample(logits, [params] * n, [gen] * n).tokens
     return {t for (t,) in tokens}
 
 
@@ -28,7 +28,7 @@ def test_filters():
 
 def test_logprob_is_of_the_model_distribution():
     logits = PROBS.log()[None]
-    tokens, logprobs = sample(logits, [SamplingParams(temperature=0.0)], [torch.Generator()])
+    tokens, logprobs, _ = sample(logits, [SamplingParams(temperature=0.0)], [torch.Generator()])
     assert tokens == [[0]] and abs(logprobs[0][0] - PROBS[0].log().item()) < 1e-6
 
 
@@ -40,7 +40,7 @@ def test_sampled_frequencies_follow_the_filtered_distribution():
         (SamplingParams(temperature=1.0), PROBS),
         (SamplingParams(temperature=1.0, top_k=2), torch.tensor([4 / 7, 3 / 7, 0, 0])),
     ):
-        tokens, _ = sample(PROBS.log().repeat(n, 1), [params] * n, [torch.Generator().manual_seed(0)] * n)
+        tokens = sample(PROBS.log().repeat(n, 1), [params] * n, [torch.Generator().manual_seed(0)] * n).tokens
         freq = torch.bincount(torch.tensor(tokens).flatten(), minlength=4) / n
         assert (freq - expected).abs().max() < 0.03, (params, freq)
 
@@ -48,12 +48,12 @@ def test_sampled_frequencies_follow_the_filtered_distribution():
 def test_seeded_rows_do_not_depend_on_their_batch():
     seeded = SamplingParams(temperature=0.8, seed=7)
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
-    alone, _ = sample(logits[1:2], [seeded], [torch.Generator().manual_seed(7)])
+    alone = sample(logits[1:2], [seeded], [torch.Generator().manual_seed(7)]).tokens
     other = SamplingParams(temperature=1.0, top_p=0.5)
     gens = [
         torch.Generator().manual_seed(3),
         torch.Generator().manual_seed(7),
         torch.Generator().manual_seed(3),
     ]
-    batch, _ = sample(logits, [other, seeded, SamplingParams(temperature=0.0)], gens)
+    batch = sample(logits, [other, seeded, SamplingParams(temperature=0.0)], gens).tokens
     assert batch[1] == alone[0]

@@ -249,3 +249,38 @@ def test_many_random_requests_finish_exactly(radix, drafts, rule):
         assert stats["generated_tokens"] == prefills + steps + stats["spec_accepted_tokens"]
         if rule is periodic_token:
             assert stats["spec_accepted_tokens"] > stats["generated_tokens"] / 3
+
+
+def test_penalty_counts_follow_outputs_through_retraction():
+    """The device token counts of requests with penalties equal a recount of their tokens after
+    every step, across retractions (re-admission refills them) and verify steps; every row is
+    given back when its request ends."""
+    s = make(capacity=60, chunk=16, max_running=8, drafts=2)
+    msgs = [request(f"r{i}", 5 + i, new=30, first=7 * i + 3) for i in range(8)]
+    for m in msgs[::2]:
+        m.params.repetition_penalty = 1.2
+    for m in msgs:
+        s.add(m)
+    finished = {}
+    while s.running or s.waiting:
+        _, done = step(s, periodic_token)
+        finished.update((o["rid"], o) for o in done)
+        for r in s.running:
+            row = s.token_counts.rows.get(r.rid)
+            assert (row is not None) == (r.params.repetition_penalty != 1), r.rid
+            if row is not None:
+                assert s.token_counts.output[row].tolist() == [r.output_ids.count(t) for t in range(300)]
+                assert s.token_counts.prompt[row].nonzero().flatten().tolist() == sorted(set(r.input_ids))
+    assert s.counters["retractions"] > 0 and s.counters["spec_accepted_tokens"] > 0
+    assert s.token_counts.rows == {} and len(finished) == len(msgs)
+
+
+def test_flush_cache_drops_what_no_running_request_holds():
+    s = make(capacity=100)
+    run(s, [request("a", 20)])
+    assert s.tree.size == 29
+    s.add(request("b", 12, first=50))
+    step(s), step(s)  # b is running: its cached prefix is locked
+    s.flush_cache()
+    assert s.tree.size == s.running[0].kv_len and s.tree.evictable == 0
+    assert s.counters["cache_evicted_tokens"] == 29

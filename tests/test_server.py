@@ -19,6 +19,41 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 COMPLETION_PROMPT = "The quick brown fox"
 GREEDY_EXTRA = {"ignore_eos": True}
 NEW = 12
+CONTINUED = [*CHAT, {"role": "assistant", "content": "The capital"}]  # continue_final_message
+PENALTIES = {"frequency_penalty": -1.5, "presence_penalty": 0.5, "repetition_penalty": 0.7}
+# What sglang-router 0.3.2 adds to every request it forwards (SGLang's defaults), seen on the wire.
+ROUTER_DEFAULTS = {
+    "/v1/chat/completions": {
+        "continue_final_message": False,
+        "ignore_eos": False,
+        "logprobs": False,
+        "no_stop_trim": False,
+        "return_hidden_states": False,
+        "separate_reasoning": True,
+        "skip_special_tokens": True,
+        "stream": False,
+        "stream_reasoning": True,
+    },
+    "/v1/completions": {
+        "echo": False,
+        "ignore_eos": False,
+        "no_stop_trim": False,
+        "return_hidden_states": False,
+        "skip_special_tokens": True,
+        "stream": False,
+    },
+    "/generate": {
+        "background": False,
+        "log_metrics": True,
+        "model": None,
+        "no_logs": False,
+        "return_bytes": False,
+        "return_entropy": False,
+        "return_hidden_states": False,
+        "return_text_in_logprobs": False,
+        "stream": False,
+    },
+}
 
 
 @pytest.fixture(scope="module")
@@ -33,12 +68,26 @@ def engine_outputs(engine_cache, model) -> dict:
     chat_ids = tok.encode(
         tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False), add_special_tokens=False
     )
+    continued_ids = tok.encode(
+        tok.apply_chat_template(CONTINUED, continue_final_message=True, tokenize=False),
+        add_special_tokens=False,
+    )
     engine = engine_cache.get(model, tp_size=2, dp_size=2, enable_dp_attention=True, max_total_tokens=POOL)
     params = {"max_new_tokens": NEW, "temperature": 0.0, "ignore_eos": True}
     chat = engine.generate(input_ids=chat_ids, sampling_params=params)
     completion = engine.generate(prompt=COMPLETION_PROMPT, sampling_params=params)
+    penalized = engine.generate(prompt=COMPLETION_PROMPT, sampling_params={**params, **PENALTIES})
+    continued = engine.generate(input_ids=continued_ids, sampling_params=params)
     engine_cache.close()  # two cores: do not keep its ranks around while the server runs
-    return {"chat": chat, "completion": completion, "chat_ids": chat_ids}
+    assert penalized["output_ids"] != completion["output_ids"]  # the penalties matter
+    return {
+        "chat": chat,
+        "completion": completion,
+        "chat_ids": chat_ids,
+        "penalized": penalized,
+        "continued": continued,
+        "continued_ids": continued_ids,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -208,6 +257,9 @@ def test_native_generate_pins_and_stops(server, engine_outputs):
     streamed = httpx.post(f"{server.url}/generate", json={**body, "stream": True}).text
     events = [json.loads(e.removeprefix("data: ")) for e in streamed.strip().split("\n\n")[:-1]]
     assert events[-1]["text"] == text and streamed.endswith("data: [DONE]\n\n")
+    # The prompt is cached by now: every event reports its cached tokens, not only the last one.
+    cached = {e["meta_info"]["cached_tokens"] for e in events}
+    assert cached == {events[-1]["meta_info"]["prompt_tokens"] - 1}, cached
 
 
 def test_server_info_and_metrics(server):
@@ -222,14 +274,176 @@ def test_server_info_and_metrics(server):
         assert m[f"dpserve_kv_free_tokens{label}"] + m[f"dpserve_kv_cached_tokens{label}"] == POOL
         assert m[f"dpserve_kv_cached_tokens{label}"] == m[f"dpserve_kv_evictable_tokens{label}"] > 0
         assert m[f"dpserve_kv_used_tokens{label}"] == 0 and m[f"dpserve_retractions_total{label}"] == 0
-        assert m[f"dpserve_prefix_cache_hit_tokens_total{label}"] >= 0
         assert f"dpserve_steps_eager_total{label}" in m and f"dpserve_num_queue_reqs{label}" in m
     assert m["dpserve_time_to_first_token_seconds_count"] == m["dpserve_requests_total"] > 0
     assert m["dpserve_time_per_output_token_seconds_count"] > 0
     # Decode steps so far ran padded to a bucket (the CPU's stand-in for graphs), and are counted so.
-    assert sum(m[f'dpserve_steps_graph_total{{dp_rank="{g}"}}'] for g in (0, 1)) > 0
+    assert sum(m[f'dpserve_steps_padded_total{{dp_rank="{g}"}}'] for g in (0, 1)) > 0
+    # The completion prompt is cached in both groups (test_native_generate_pins_and_stops): sent again
+    # to each, all but its last token are hits, and the group's hit counter grows by exactly that.
+    body = {"text": COMPLETION_PROMPT, "sampling_params": {"max_new_tokens": 1}}
+    for g in (0, 1):
+        label = f'{{dp_rank="{g}"}}'
+        out = httpx.post(f"{server.url}/generate", json={**body, "data_parallel_rank": g}).json()
+        assert out["meta_info"]["cached_tokens"] == out["meta_info"]["prompt_tokens"] - 1
+        hits = metrics(server)[f"dpserve_prefix_cache_hit_tokens_total{label}"]
+        assert hits - m[f"dpserve_prefix_cache_hit_tokens_total{label}"] == out["meta_info"]["cached_tokens"]
     assert httpx.get(f"{server.url}/health").status_code == 200
     assert httpx.get(f"{server.url}/v1/models").json()["data"][0]["max_model_len"] == 512
+
+
+def test_sglang_router_defaults_are_accepted(server, model, engine_outputs):
+    """Requests as sglang-router forwards them, SGLang's fields at their defaults: the same answers."""
+    chat = httpx.post(
+        f"{server.url}/v1/chat/completions",
+        json={
+            **ROUTER_DEFAULTS["/v1/chat/completions"],
+            "model": model,
+            "messages": CHAT,
+            "max_completion_tokens": NEW,
+            "temperature": 0,
+            "ignore_eos": True,
+        },
+    )
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["choices"][0]["message"]["content"] == engine_outputs["chat"]["text"]
+    body = {
+        "model": model,
+        "prompt": COMPLETION_PROMPT,
+        "max_tokens": NEW,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    completion = httpx.post(
+        f"{server.url}/v1/completions", json={**ROUTER_DEFAULTS["/v1/completions"], **body}
+    )
+    assert completion.status_code == 200, completion.text
+    assert completion.json()["choices"][0]["text"] == engine_outputs["completion"]["text"]
+    params = {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}
+    native = httpx.post(
+        f"{server.url}/generate",
+        json={**ROUTER_DEFAULTS["/generate"], "text": COMPLETION_PROMPT, "sampling_params": params},
+    )
+    assert native.status_code == 200, native.text
+    assert native.json()["output_ids"] == engine_outputs["completion"]["output_ids"]
+
+
+def test_penalties_min_tokens_and_special_tokens(client, model, engine_outputs):
+    common = {"model": model, "prompt": COMPLETION_PROMPT, "max_tokens": NEW, "temperature": 0}
+    penalized = client.completions.create(**common, extra_body={**GREEDY_EXTRA, **PENALTIES})
+    assert penalized.choices[0].text == engine_outputs["penalized"]["text"]
+    # The second token of the greedy output as a stop token: the request ends there, unless min_tokens.
+    stop_id = engine_outputs["completion"]["output_ids"][1]
+    stopped = client.completions.create(**common, extra_body={"stop_token_ids": [stop_id], **GREEDY_EXTRA})
+    assert (stopped.usage.completion_tokens, stopped.choices[0].finish_reason) == (2, "stop")
+    held = client.completions.create(
+        **common, extra_body={"stop_token_ids": [stop_id], "min_tokens": NEW, **GREEDY_EXTRA}
+    )
+    assert (held.usage.completion_tokens, held.choices[0].finish_reason) == (NEW, "length")
+    # logit_bias makes <|pad|> (id 2) every token: special, so skipped from the text unless asked.
+    pads = {**common, "max_tokens": 3, "logit_bias": {"2": 100}}
+    assert client.completions.create(**pads).choices[0].text == ""
+    shown = client.completions.create(**pads, extra_body={"skip_special_tokens": False})
+    assert shown.choices[0].text == "<|pad|>" * 3 and shown.usage.completion_tokens == 3
+    spaced = client.completions.create(
+        **pads, extra_body={"skip_special_tokens": False, "spaces_between_special_tokens": False}
+    )
+    assert spaced.choices[0].text == "<|pad|>" * 3  # fast tokenizers never add spaces anyway
+    # no_stop_trim keeps the matched stop string at the end of the text.
+    text = engine_outputs["completion"]["text"]
+    stop = next(
+        text[i : i + 2]
+        for i in range(3, len(text) - 2)
+        if text[i : i + 2].strip() and text[i : i + 2] not in text[:i]
+    )
+    kept = client.completions.create(**common, stop=[stop], extra_body={"no_stop_trim": True, **GREEDY_EXTRA})
+    assert kept.choices[0].text == text[: text.index(stop) + len(stop)]
+
+
+def test_echo_and_top_logprobs(server, client, model, engine_outputs):
+    expected = engine_outputs["completion"]["text"]
+    common = {"model": model, "prompt": COMPLETION_PROMPT, "max_tokens": NEW, "temperature": 0}
+    echoed = client.completions.create(**common, echo=True, n=2, extra_body=GREEDY_EXTRA)
+    assert [c.text for c in echoed.choices] == [COMPLETION_PROMPT + expected] * 2
+    streamed = client.completions.create(**common, echo=True, stream=True, extra_body=GREEDY_EXTRA)
+    assert "".join(c.choices[0].text for c in streamed) == COMPLETION_PROMPT + expected
+    # Greedy without penalties: the chosen token is the top alternative, with the same logprob.
+    top = client.completions.create(**common, logprobs=3, extra_body=GREEDY_EXTRA).choices[0].logprobs
+    assert len(top.top_logprobs) == NEW and all(1 <= len(t) <= 3 for t in top.top_logprobs)
+    for token, lp, alternatives in zip(top.tokens, top.token_logprobs, top.top_logprobs, strict=True):
+        assert max(alternatives.values()) == lp and alternatives[token] == lp
+    chat = client.chat.completions.create(
+        model=model,
+        messages=CHAT,
+        max_tokens=NEW,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body=GREEDY_EXTRA,
+    )
+    for entry in chat.choices[0].logprobs.content:
+        assert len(entry.top_logprobs) == 2 and entry.top_logprobs[0].token == entry.token
+        assert entry.top_logprobs[0].logprob == entry.logprob >= entry.top_logprobs[1].logprob
+    # /generate: SGLang's [logprob, token id, text] entries.
+    params = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
+    body = {
+        "text": COMPLETION_PROMPT,
+        "sampling_params": params,
+        "return_logprob": True,
+        "top_logprobs_num": 2,
+    }
+    plain = httpx.post(f"{server.url}/generate", json=body).json()
+    named = httpx.post(f"{server.url}/generate", json={**body, "return_text_in_logprobs": True}).json()
+    tok = AutoTokenizer.from_pretrained(model)
+    ids = engine_outputs["completion"]["output_ids"][:4]
+    assert [e[1:] for e in plain["meta_info"]["output_token_logprobs"]] == [[t, None] for t in ids]
+    assert [e[1:] for e in named["meta_info"]["output_token_logprobs"]] == [[t, tok.decode([t])] for t in ids]
+    for entry, alternatives in zip(
+        named["meta_info"]["output_token_logprobs"], named["meta_info"]["output_top_logprobs"], strict=True
+    ):
+        assert len(alternatives) == 2 and alternatives[0] == entry
+
+
+def test_continue_final_message(client, model, engine_outputs):
+    messages = [{"role": m["role"], "content": m["content"]} for m in CONTINUED]
+    reply = client.chat.completions.create(
+        model=model,
+        messages=messages,
+        max_tokens=NEW,
+        temperature=0,
+        extra_body={"continue_final_message": True, **GREEDY_EXTRA},
+    )
+    assert reply.usage.prompt_tokens == len(engine_outputs["continued_ids"])
+    assert reply.choices[0].message.content == engine_outputs["continued"]["text"]
+
+
+def test_load_model_info_and_flush_cache(server, model):
+    """What sglang-router reads from a worker: its load per DP group, its model, and a cache flush."""
+    assert httpx.get(f"{server.url}/get_load").json() == [
+        {"dp_rank": g, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0} for g in (0, 1)
+    ]
+    info = httpx.get(f"{server.url}/server_info").json()
+    assert (info["served_model_name"], info["model_path"], info["dp_size"]) == (model, model, 2)
+    assert (
+        httpx.get(f"{server.url}/model_info").json()
+        == httpx.get(f"{server.url}/get_model_info").json()
+        == {
+            "model_path": model,
+            "tokenizer_path": model,
+            "served_model_name": model,
+            "is_generation": True,
+            "model_type": "deepseek_v2",
+            "architectures": ["DeepseekV2ForCausalLM"],
+            "max_context_length": 512,
+        }
+    )
+    body = {"text": "flush me " * 10, "sampling_params": {"max_new_tokens": 1}}
+    first = httpx.post(f"{server.url}/generate", json=body).json()["meta_info"]
+    assert httpx.post(f"{server.url}/generate", json=body).json()["meta_info"]["cached_tokens"] == (
+        first["prompt_tokens"] - 1
+    )
+    assert httpx.post(f"{server.url}/flush_cache").status_code == 200
+    assert httpx.post(f"{server.url}/generate", json=body).json()["meta_info"]["cached_tokens"] == 0
 
 
 LONG_CONTEXT = "x " * 600  # the tiny models have a 512-token context
@@ -245,13 +459,68 @@ BAD_REQUESTS = [
     ),
     (
         "/v1/chat/completions",
-        {"messages": CHAT, "logit_bias": {"5": 1}},
+        {"messages": CHAT, "temprature": 0},
         400,
-        "logit_bias: Extra inputs are not permitted",
+        "temprature: Extra inputs are not permitted",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": CHAT, "return_hidden_states": True},
+        400,
+        "return_hidden_states=true is not supported (only false)",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]},
+        400,
+        "is not supported (only null or [])",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": CHAT, "top_logprobs": 2},
+        400,
+        "top_logprobs requires logprobs=true",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": CHAT, "continue_final_message": True},
+        400,
+        "continue_final_message requires the last message to be the assistant's",
+    ),
+    ("/v1/completions", {"prompt": "hi", "best_of": 3}, 400, "best_of=3 is not supported (only null or 1)"),
+    (
+        "/v1/completions",
+        {"prompt": "hi", "echo": True, "logprobs": 1},
+        400,
+        "echo with logprobs is not supported",
+    ),
+    (
+        "/v1/completions",
+        {"prompt": "hi", "frequency_penalty": 3},
+        400,
+        "frequency_penalty: Input should be less than or equal to 2",
+    ),
+    (
+        "/v1/completions",
+        {"prompt": "hi", "logit_bias": {"999": 1}},
+        400,
+        "logit_bias token id 999 is outside the vocabulary [0, 301)",
+    ),
+    (
+        "/v1/completions",
+        {"prompt": "hi", "max_tokens": 4, "min_tokens": 5},
+        400,
+        "min_tokens=5 is more than the 4 new tokens allowed",
     ),
     ("/v1/chat/completions", {"messages": CHAT, "temperature": 3}, 400, "temperature"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/completions", {"prompt": LONG_CONTEXT}, 400, "the model's context length is 512"),
+    (
+        "/v1/completions",
+        {"prompt": "x " * 100, "max_tokens": 100_000},  # over the context: rejected, never capped
+        400,
+        "the prompt has 200 tokens and max_new_tokens is 100000: 100200 tokens, but the model's context length is 512",
+    ),
     (
         "/v1/completions",
         {"prompt": "x " * 100, "max_tokens": 200},
@@ -279,6 +548,31 @@ BAD_REQUESTS = [
         "unknown sampling parameter(s): temprature",
     ),
     ("/generate", {"text": "hi", "input_ids": [1]}, 400, "exactly one of text or input_ids"),
+    ("/generate", {"text": "hi", "model": "gpt-4"}, 404, "The model `gpt-4` does not exist"),
+    (
+        "/generate",
+        {"text": "hi", "return_hidden_states": True},
+        400,
+        "return_hidden_states=true is not supported (only false)",
+    ),
+    (
+        "/generate",
+        {"text": "hi", "logprob_start_len": 0},
+        400,
+        "logprob_start_len=0 is not supported (only null or -1)",
+    ),
+    (
+        "/generate",
+        {"text": "hi", "sampling_params": {"regex": "a+"}},
+        400,
+        "regex is not supported (only null)",
+    ),
+    (
+        "/generate",
+        {"text": "hi", "sampling_params": {"repetition_penalty": 0}},
+        400,
+        "repetition_penalty must be in (0, 2]",
+    ),
 ]
 
 

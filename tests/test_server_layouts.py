@@ -9,15 +9,21 @@ import httpx
 import pytest
 from conftest import GREEDY, assert_matches_reference
 
-from dpserve.engine.workers import free_port
+from dpserve.engine.worker_pool import free_port
 from dpserve.testing.server import ServerProcess
 
 
 def generate(server: ServerProcess, input_ids, **extra) -> dict | list[dict]:
+    """/generate's outputs, their logprob entries ([logprob, token id, text]) reduced to logprobs."""
     body = {"input_ids": input_ids, "sampling_params": GREEDY, "return_logprob": True, **extra}
     r = httpx.post(f"{server.url}/generate", json=body, timeout=300)
     assert r.status_code == 200, r.text
-    return r.json()
+    outputs = r.json()
+    for out in outputs if isinstance(outputs, list) else [outputs]:
+        entries = out["meta_info"]["output_token_logprobs"]
+        assert [token for _, token, _ in entries] == out["output_ids"]
+        out["meta_info"]["output_token_logprobs"] = [logprob for logprob, _, _ in entries]
+    return outputs
 
 
 @pytest.fixture(scope="module")

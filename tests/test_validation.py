@@ -5,13 +5,17 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import socket
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 from conftest import ARCHS
 
 from dpserve import Engine
+from dpserve.config import EngineConfig
 from dpserve.sampling_params import SamplingParams
 
 
@@ -27,12 +31,12 @@ from dpserve.sampling_params import SamplingParams
             {"tp_size": 2, "dp_size": 3, "nnodes": 4, "dist_init_addr": "127.0.0.1:5000"},
             "the 6 ranks (tp=2 x 3 instance(s)) cannot be split evenly over nnodes=4",
         ),
-        ({"tp_size": 2, "nnodes": 2}, "nnodes > 1 needs dist_init_addr"),
+        ({"tp_size": 2, "nnodes": 2}, "the offline Engine runs on one node"),
         ({"nnodes": 2, "node_rank": 2}, "node_rank=2 must be in [0, nnodes=2)"),
-        ({"tp_size": 0}, "tp_size and dp_size must be >= 1"),
+        ({"tp_size": 0}, "tp_size must be >= 1, got 0"),
         ({"dp_padding_mode": "bogus"}, "dp_padding_mode must be one of"),
         ({"cuda_graph_max_bs": 0}, "cuda_graph_max_bs must be >= 1, got 0"),
-        ({"cuda_graph_bs": [4, 0]}, "cuda_graph_bs must list batch sizes >= 1, got [0, 4]"),
+        ({"cuda_graph_bs": [4, 0]}, "cuda_graph_bs must be >= 1, got [4, 0]"),
     ],
 )
 def test_bad_layouts(model_dirs, kwargs, message):
@@ -86,13 +90,100 @@ def test_bad_sampling_params(params, message):
         (["--tp", "8"], "num_attention_heads=4 is not divisible by 8"),
         (["--dp-padding-mode", "bogus"], "invalid choice: 'bogus'"),
         (["--nnodes", "2", "--tp", "2"], "nnodes > 1 needs dist_init_addr"),
+        (["--device", "cuda"], "device=cuda, but this process sees no CUDA device"),
+        (
+            ["--tp", "8", "--dp", "3"],  # replicas: the heads check names them and what would work
+            "is not divisible by 8 (tp=8, 3 replicas, attention TP size 8); attention TP sizes",
+        ),
     ],
 )
 def test_launch_server_rejects_bad_flags_and_shapes(model_dirs, flags, message):
     """The server exits non-zero at start-up, before any rank starts, naming the numbers."""
-    cmd = [sys.executable, "-m", "dpserve.launch_server", "--model-path", model_dirs["deepseek_v2"], *flags]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert launch(model_dirs["deepseek_v2"], *flags, code=2) and message in launch.stderr
+
+
+def launch(model_path: str, *flags: str, code: int, timeout: float = 120) -> bool:
+    """Runs launch_server until it exits; True if with `code` (its stderr: `launch.stderr`)."""
+    cmd = [sys.executable, "-m", "dpserve.launch_server", "--model-path", model_path, *flags]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    launch.stderr = result.stdout + result.stderr
+    assert result.returncode == code, launch.stderr
+    return True
+
+
+ACCEPTED = "--model-path takes a local Hugging Face directory (config.json and *.safetensors), a .gguf file"
+
+
+def test_model_paths_say_what_is_accepted(model_dirs, tmp_path):
+    """A missing path, a hub id and a folder without config.json each get one sentence saying what
+    --model-path takes, at once (nothing is fetched from a hub, so nothing retries); a folder without
+    weights is named before any rank starts."""
+    for path in ("/nonexistent/model", "deepseek-ai/DeepSeek-V3"):
+        start = time.monotonic()
+        assert launch(path, code=2) and f"{path!r} is not a directory: {ACCEPTED}" in launch.stderr
+        assert time.monotonic() - start < 60
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert launch(str(empty), code=2) and f"{empty} has no config.json: {ACCEPTED}" in launch.stderr
+    no_weights = tmp_path / "no_weights"
+    no_weights.mkdir()
+    shutil.copy(Path(model_dirs["llama"]) / "config.json", no_weights)
+    with pytest.raises(
+        FileNotFoundError, match=re.escape(f"no weights in {no_weights}: expected *.safetensors")
+    ):
+        Engine(model_path=str(no_weights), device="cpu")
+
+
+def test_taken_port_fails_before_the_weights_load(model_dirs):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert launch(model_dirs["llama"], "--port", str(port), code=2)
+    assert f"cannot listen on 127.0.0.1:{port}" in launch.stderr and "Loading weights" not in launch.stderr
+
+
+def test_a_rank_failing_at_start_names_its_cause(model_dirs, tmp_path):
+    """A checkpoint whose tensors do not match its config fails inside the ranks: the server exits 1
+    with the rank, the exception's type and message, and the rank's traceback in its log (and no
+    leaked semaphore from the ranks that died)."""
+    broken = tmp_path / "wrong_shapes"
+    shutil.copytree(model_dirs["llama"], broken)
+    config = json.loads((broken / "config.json").read_text())
+    (broken / "config.json").write_text(
+        json.dumps({**config, "intermediate_size": 2 * config["intermediate_size"]})
+    )
+    assert launch(str(broken), "--tp", "2", code=1)
+    cause = "failed: ValueError: model.layers.0.mlp.gate_proj.weight: dimension 0 of size 128 has no part 1"
+    assert f"worker rank 1 {cause}" in launch.stderr
+    assert "Traceback" in launch.stderr and "leaked semaphore" not in launch.stderr
+
+
+def test_flags_that_do_nothing_are_named():
+    cfg = EngineConfig("unused", tp_size=2, enable_dp_attention=True, speculative_num_steps=2)
+    assert cfg.ignored_options() == [
+        "speculative_num_steps=2 does nothing without speculative_algorithm",
+        "enable_dp_attention=True does nothing with dp_size=1 (one attention group: plain TP)",
+    ]
+    assert EngineConfig("unused", tp_size=2, dp_size=2, enable_dp_attention=True).ignored_options() == []
+
+
+def test_help_states_each_default_once():
+    text = subprocess.run(
+        [sys.executable, "-m", "dpserve.launch_server", "--help"], capture_output=True, text=True, check=True
+    ).stdout
+    assert "(default: None)" not in text and "(default: False)" not in text
+    entry = text[text.index("\n  --max-total-tokens MAX_TOTAL_TOKENS") :].split("\n  --")[1]
+    assert entry.count("default") == 1  # "(default: from the memory budget)", not the formatter's too
+    assert "--speculative-num-steps SPECULATIVE_NUM_STEPS" in text and "(default: 1)" in text
+
+
+def test_dry_run_needs_no_dist_init_addr(model_dirs):
+    """--dry-run starts nothing, so two nodes need no rendezvous address."""
+    cmd = [sys.executable, "-m", "dpserve.launch_server", "--model-path", model_dirs["deepseek_v2"]]
+    cmd += ["--tp", "2", "--nnodes", "2", "--dry-run", "--device", "cpu", "--kv-cache-memory-gb", "0.01"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_quantized_checkpoint_is_refused(model_dirs, tmp_path):

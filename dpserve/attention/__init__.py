@@ -1,4 +1,4 @@
-"""Attention backends over the paged KV pool (design section 9)."""
+"""Attention backends over the paged KV pool (docs/design.md, section 9)."""
 
 from __future__ import annotations
 
@@ -15,4 +15,8 @@ def make_backend(name: str) -> AttentionBackend:
         from dpserve.attention.sdpa import SdpaBackend
 
         return SdpaBackend()
+    if name == "torch":
+        from dpserve.attention.torch_backend import TorchBackend
+
+        return TorchBackend()
     raise ValueError(f"unknown attention backend {name!r}")

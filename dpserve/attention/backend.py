@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 
@@ -24,11 +25,36 @@ class AttentionMetadata:
     num_tokens: int  # new tokens (rows of q)
     max_q_len: int  # bounds on q lengths and seq_lens (fixed in a captured graph)
     max_seq_len: int
+    # Host copies of the lengths (eager steps; None in a captured graph): decisions per request
+    # without a device sync.
+    q_lens_host: list[int] | None = None
+    seq_lens_host: list[int] | None = None
     state: dict = field(default_factory=dict)  # what a backend's prepare() derives per forward
 
     @property
     def batch_size(self) -> int:
         return self.req_idx.shape[0]
+
+    def select(self, reqs: list[int]) -> tuple[AttentionMetadata, torch.Tensor]:
+        """The metadata of requests `reqs` alone, and the rows of their tokens among this batch's."""
+        q_lens, seq_lens = self.q_lens_host, self.seq_lens_host
+        starts = list(accumulate([0, *q_lens]))
+        dev = self.req_idx.device
+        idx = torch.tensor(reqs, dtype=torch.long, device=dev)
+        sub_q = [q_lens[i] for i in reqs]
+        sub = AttentionMetadata(
+            self.req_to_token,
+            self.req_idx[idx],
+            self.seq_lens[idx],
+            torch.tensor([0, *accumulate(sub_q)], dtype=torch.int32, device=dev),
+            sum(sub_q),
+            max(sub_q),
+            max(seq_lens[i] for i in reqs),
+            sub_q,
+            [seq_lens[i] for i in reqs],
+        )
+        tokens = [t for i in reqs for t in range(starts[i], starts[i + 1])]
+        return sub, torch.tensor(tokens, dtype=torch.long, device=dev)
 
 
 class AttentionBackend(ABC):

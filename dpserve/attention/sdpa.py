@@ -9,6 +9,13 @@ import torch.nn.functional as F
 from dpserve.attention.backend import AttentionBackend, AttentionMetadata
 
 
+def gather(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """cache[table] for a [slots, ...] pool and a [batch, kv_len] slot table: [batch, kv_len, ...].
+    index_select on the rows, flattened: ~10x faster on the CPU than advanced indexing."""
+    rows = cache.reshape(cache.shape[0], -1).index_select(0, table.reshape(-1))
+    return rows.view(*table.shape, *cache.shape[1:])
+
+
 class SdpaBackend(AttentionBackend):
     graph_max_kv_len = 4096  # a graph's [batch, kv_len] grid is fixed at capture
 
@@ -29,13 +36,13 @@ class SdpaBackend(AttentionBackend):
         )
 
     def mla(self, q, cache, meta, scale, v_dim):
-        kv = cache[meta.state["slot_table"]].unsqueeze(1)  # [batch, 1, kv_max, latent + rope]
+        kv = gather(cache, meta.state["slot_table"]).unsqueeze(1)  # [batch, 1, kv_max, latent + rope]
         return self._attend(q, kv, kv[..., :v_dim], meta, scale)
 
     def gqa(self, q, k_cache, v_cache, meta, scale):
         table = meta.state["slot_table"]
-        k = k_cache[table].transpose(1, 2)  # [batch, kv_heads, kv_max, dim]
-        return self._attend(q, k, v_cache[table].transpose(1, 2), meta, scale)
+        k = gather(k_cache, table).transpose(1, 2)  # [batch, kv_heads, kv_max, dim]
+        return self._attend(q, k, gather(v_cache, table).transpose(1, 2), meta, scale)
 
     @staticmethod
     def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, scale: float):

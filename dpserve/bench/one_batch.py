@@ -20,7 +20,7 @@ import numpy as np
 from tqdm import tqdm
 
 from dpserve import Engine
-from dpserve.cli import add_engine_args, engine_kwargs, positive_int
+from dpserve.cli import HelpFormatter, add_engine_args, engine_kwargs, positive_int
 
 FIRST_PROMPT_ID = 3  # ids below are special tokens (bos, eos, pad) in dpserve's test checkpoints
 
@@ -33,9 +33,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "prompts may be spread over several steps (chunked prefill, or requests that reach the scheduler "
         "at different times), and such a step may also carry other requests' decode tokens. The decode "
         "latency is the median over the decode steps that ran the whole batch.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
-    add_engine_args(p, log_level="warning")
+    add_engine_args(p, defaults={"log_level": "warning"})
     p.add_argument(
         "--batch-size", type=positive_int, nargs="+", default=[1], help="batch sizes to run, in order"
     )
@@ -53,6 +53,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="new tokens per request of the unmeasured warm-up batch run before each batch size; 0 skips it",
     )
     p.add_argument("--result-file", default=None, help="append one JSON line per batch size to this file")
+    p.add_argument(
+        "--expert-load",
+        default=None,
+        metavar="FILE",
+        help="append one JSON line per batch size to this file: the rows routed to each expert of each "
+        "MoE layer during that batch's run ([layers][experts]), the input of a redundant-expert placement",
+    )
     args = p.parse_args(argv)
     if args.output_len < 2:
         p.error("--output-len must be >= 2 so that there is at least one decode step")
@@ -70,7 +77,7 @@ def check_fits(args: argparse.Namespace, engine: Engine, kv_capacity: int) -> No
             f"context length {context_len}"
         )
     for batch in args.batch_size:
-        per_group = math.ceil(batch / args.dp)  # requests are spread round robin
+        per_group = math.ceil(batch / args.dp_size)  # equal requests are spread evenly
         need = per_group * (args.input_len + args.output_len)
         if need > kv_capacity:
             raise SystemExit(
@@ -126,7 +133,7 @@ def run_batch(engine: Engine, args: argparse.Namespace, batch: int) -> dict:
         "median_decode_throughput": batch / decode_latency if decode else None,
         "median_decode_host_latency": host_latency,
         "median_decode_mlp_rows": statistics.median(s.mlp_rows for s in decode) if decode else None,
-        "decode_graph_steps": sum(s.graph for s in decode),
+        "decode_padded_steps": sum(s.padded for s in decode),
         "total_latency": total,
         "overall_throughput": (args.input_len + args.output_len) * batch / total,
     }
@@ -144,7 +151,7 @@ def report(r: dict) -> str:
             f"throughput: {r['prefill_throughput']:9.2f} token/s ({r['prefill_steps']} steps)",
             f"Decode.  median latency: {fmt(r['median_decode_latency'], '6.5f')} s, "
             f"median throughput: {fmt(r['median_decode_throughput'], '9.2f')} token/s "
-            f"({r['decode_steps']} full-batch steps, {r['decode_graph_steps']} padded/graph), "
+            f"({r['decode_steps']} full-batch steps, {r['decode_padded_steps']} padded), "
             f"host work {fmt(r['median_decode_host_latency'], '6.5f')} s",
             f"Total. latency: {r['total_latency']:6.3f} s, "
             f"throughput: {r['overall_throughput']:9.2f} token/s",
@@ -189,12 +196,18 @@ def main(argv: list[str] | None = None) -> None:
             "dp_size": info["dp_size"],
             "attn_tp_size": info["attn_tp_size"],
             "dp_padding_mode": args.dp_padding_mode,
+            "dtype": engine.cfg.dtype,
             "kv_capacity": sum(capacities),
         }
         for batch in tqdm(args.batch_size, desc="batch sizes", unit="batch"):
             r = {**setup, **run_batch(engine, args, batch)}
             tqdm.write(report(r))
             results.append(r)
+            if args.expert_load:
+                with open(args.expert_load, "a") as f:
+                    f.write(
+                        json.dumps({"batch_size": batch, "rows_per_expert": engine.get_expert_load()}) + "\n"
+                    )
             if args.result_file:
                 with open(args.result_file, "a") as f:
                     f.write(json.dumps({**r, "args": vars(args)}) + "\n")

@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from dpserve import Engine
 from dpserve.bench.one_batch import FIRST_PROMPT_ID
-from dpserve.cli import positive_int
+from dpserve.cli import HelpFormatter, positive_int
 from dpserve.testing.tiny_models import write_tiny_model
 
 MODES = ("sum_len", "max_len", "auto")
@@ -39,7 +39,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m dpserve.bench.padding",
         description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument(
         "--model-path", default=None, help="checkpoint; default: a random deepseek_v2_mid in a temp dir"
@@ -59,6 +59,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--decode-steps", type=positive_int, default=12, help="full-batch decode steps per point")
     p.add_argument("--rounds", type=positive_int, default=2, help="repeats of the whole sweep (median)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="cpu", help="where the ranks run")
+    p.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "float16", "bfloat16"),
+        default="float32",
+        help="the engines' dtype (the figures in docs/benchmarks.md are float32)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts (and of the random model)")
     p.add_argument("--out-dir", default=".", help="where padding_sweep.json and padding_sweep.png go")
     p.add_argument(
@@ -90,7 +96,7 @@ def run_point(engine: Engine, rng: np.random.Generator, args: argparse.Namespace
         "latency_ms": statistics.median(s.seconds for s in steps) * 1e3,
         "mlp_rows": statistics.median(s.mlp_rows for s in steps),
         "chosen": sorted({s.padding_mode for s in steps}),
-        "graph_steps": sum(s.graph for s in steps),
+        "padded_steps": sum(s.padded for s in steps),
         "steps": len(steps),
     }
 
@@ -117,6 +123,7 @@ def sweep(args: argparse.Namespace, model_path: str) -> list[dict]:
             device=args.device,
             dp_padding_mode=mode,
             random_seed=args.seed,
+            dtype=args.dtype,
             max_total_tokens=max(args.batch_sizes) * (args.input_len + args.decode_steps + 1),
             log_level=args.log_level,
         ) as engine:
@@ -141,7 +148,7 @@ def sweep(args: argparse.Namespace, model_path: str) -> list[dict]:
                 "round_latencies_ms": [r["latency_ms"] for r in rs],
                 "mlp_rows": statistics.median(r["mlp_rows"] for r in rs),
                 "chosen": sorted({m for r in rs for m in r["chosen"]}),
-                "graph_steps": sum(r["graph_steps"] for r in rs),
+                "padded_steps": sum(r["padded_steps"] for r in rs),
                 "steps": sum(r["steps"] for r in rs),
             }
         )

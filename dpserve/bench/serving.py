@@ -14,7 +14,9 @@ Workloads (``--dataset-name``):
     chat                     chat prompts asking for a short story on a topic (plain generation)
 
 ``--baseline transformers`` then generates the same prompts and output lengths with transformers on the
-CPU and prints dpserve's output throughput over transformers'.
+CPU and prints dpserve's output throughput over transformers'. ``--offline-engine`` runs them through
+dpserve's offline Engine with the served instance's options, so the report shows what the HTTP path
+costs (served over offline output throughput).
 
     python -m dpserve.launch_server --model-path /tmp/tiny_v2 --port 30000 &
     python -m dpserve.bench.serving --base-url http://127.0.0.1:30000 --model-path /tmp/tiny_v2 \\
@@ -44,7 +46,7 @@ import torch
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from dpserve.cli import positive_int
+from dpserve.cli import HelpFormatter, positive_int
 from dpserve.models.gguf import resolve_model_path
 
 
@@ -453,6 +455,40 @@ def run_transformers_baseline(
     }
 
 
+def run_offline_engine(
+    base_url: str, requests: list[RequestInput], max_concurrency: int | None, timeout: float
+) -> dict[str, Any]:
+    """The same requests through the offline Engine started with the served instance's options (from
+    /get_server_info), all submitted at once, at most --max-concurrency running (split over the DP
+    groups); throughput counts requested tokens only."""
+    from dataclasses import fields
+
+    from dpserve import Engine
+    from dpserve.config import EngineConfig
+
+    info = httpx.get(f"{base_url}/get_server_info", timeout=timeout, trust_env=False).json()
+    options = {f.name: info[f.name] for f in fields(EngineConfig) if f.name in info}
+    options |= {"dist_init_addr": None, "nnodes": 1, "node_rank": 0}  # its own ports, beside the server
+    if max_concurrency:
+        options["max_running_requests"] = -(-max_concurrency // options["dp_size"])
+    greedy = {"temperature": 0.0, "ignore_eos": True}
+    with Engine(**options) as engine:
+        engine.generate(input_ids=requests[0].prompt, sampling_params={**greedy, "max_new_tokens": 2})
+        start = time.perf_counter()
+        rids = [engine.submit(r.prompt, {**greedy, "max_new_tokens": r.output_len}) for r in requests]
+        outputs = [engine.wait(rid) for rid in rids]
+        duration = time.perf_counter() - start
+    output_tokens = sum(len(o["output_ids"]) for o in outputs)
+    return {
+        "backend": "dpserve offline Engine",
+        "max_running_requests": options["max_running_requests"],
+        "duration": duration,
+        "total_output_tokens": output_tokens,
+        "request_throughput": len(requests) / duration,
+        "output_throughput": output_tokens / duration,
+    }
+
+
 def machine_info() -> dict[str, Any]:
     return {
         "cpu_count": os.cpu_count(),
@@ -499,6 +535,12 @@ def report(r: dict[str, Any]) -> str:
             short = "E2E" if name == "e2e_latency" else name.upper()
             for stat, label in (("mean", "Mean"), ("median", "Median"), ("p99", "P99")):
                 add(f"{label} {short} (ms)", fmt(r[f"{stat}_{name}_ms"]))
+    if "offline_engine" in r:
+        e = r["offline_engine"]
+        section(f"offline Engine (max {e['max_running_requests']} running per group)")
+        add("Duration (s)", fmt(e["duration"]))
+        add("Output token throughput (tok/s)", fmt(e["output_throughput"]))
+        add("Output throughput served/offline", fmt(r["served_over_offline"]))
     if "baseline" in r:
         b = r["baseline"]
         section(f"transformers baseline ({b.get('dtype', 'float32')}, batch {b['batch_size']})")
@@ -534,6 +576,8 @@ TABLE_COLUMNS = (
     ("TPOT p99 (ms)", "p99_tpot_ms", ".2f"),
     ("E2E mean (ms)", "mean_e2e_latency_ms", ".1f"),
     ("E2E p99 (ms)", "p99_e2e_latency_ms", ".1f"),
+    ("offline Engine tok/s", "offline_output_throughput", ".1f"),
+    ("served / offline", "served_over_offline", ".2f"),
     ("transformers output tok/s", "baseline_output_throughput", ".1f"),
     ("dpserve / transformers", "output_throughput_ratio", ".2f"),
 )
@@ -541,7 +585,10 @@ TABLE_COLUMNS = (
 
 def markdown_table(r: dict[str, Any]) -> str:
     """A header and one row for docs/benchmarks.md; absent figures and unset limits print as -."""
-    values = r | {"baseline_output_throughput": r.get("baseline", {}).get("output_throughput")}
+    values = r | {
+        "baseline_output_throughput": r.get("baseline", {}).get("output_throughput"),
+        "offline_output_throughput": r.get("offline_engine", {}).get("output_throughput"),
+    }
     cells = ["-" if values.get(key) is None else format(values[key], spec) for _, key, spec in TABLE_COLUMNS]
     return "\n".join(
         [
@@ -560,7 +607,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "/v1/completions endpoint (greedy, ignore_eos, so each request generates exactly its output "
         "length). Reports request/token throughput and TTFT, ITL, TPOT and end-to-end latency (mean, "
         "median, p99) over the successful requests, optionally against a transformers baseline.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--base-url", default="http://127.0.0.1:30000", help="server URL, without /v1")
     p.add_argument(
@@ -637,6 +684,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(CPU, greedy, left-padded batches) and report dpserve's output throughput over its own",
     )
     p.add_argument(
+        "--offline-engine",
+        action="store_true",
+        help="after the server run, run the same requests through the offline Engine with the served "
+        "instance's options and report the served output throughput over the offline one",
+    )
+    p.add_argument(
         "--baseline-dtype",
         choices=("float32", "bfloat16"),
         default="float32",
@@ -666,8 +719,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--skip-server needs --baseline")
     if args.baseline and args.model_path is None:
         p.error("--baseline needs --model-path")
-    if args.baseline and args.dataset_name == "multi-turn":
-        p.error("--baseline cannot replay multi-turn (later prompts hold the server's answers)")
+    if (args.baseline or args.offline_engine) and args.dataset_name == "multi-turn":
+        p.error(
+            "--baseline and --offline-engine cannot replay multi-turn (later prompts hold the server's answers)"
+        )
+    if args.offline_engine and args.skip_server:
+        p.error("--offline-engine reads the served instance's options: it needs the server")
     # The same names launch_server takes: a .gguf file or smollm2-135m-instruct become their cached conversion.
     args.model_path = args.model_path and resolve_model_path(args.model_path)
     return args
@@ -777,6 +834,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"warning: {len(errors)} requests failed; first error: {errors[0]}", file=sys.stderr)
         if mismatched:
             print(f"warning: {mismatched} requests generated other than max_tokens tokens", file=sys.stderr)
+    if args.offline_engine:
+        result["offline_engine"] = run_offline_engine(
+            base_url, requests, args.max_concurrency, args.request_timeout
+        )
+        result["served_over_offline"] = (
+            result["output_throughput"] / result["offline_engine"]["output_throughput"]
+        )
     if args.baseline:
         batch_size = args.baseline_batch_size or args.max_concurrency or 16
         pad_id = next(i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if i is not None)

@@ -28,26 +28,22 @@ from tqdm import tqdm
 
 from dpserve import Engine
 from dpserve.bench.padding import parse_layout
-from dpserve.cli import add_engine_args, engine_kwargs, positive_int
+from dpserve.cli import HelpFormatter, add_engine_args, engine_kwargs, positive_int
 from dpserve.config import SPECULATIVE_ALGORITHMS
 from dpserve.testing.trained_mtp import synthetic_sequences, trained_mtp_model
 
 # Engine flags that --layouts, --steps and --algorithm set here.
-SWEPT = ("tp", "dp", "enable_dp_attention", "speculative_algorithm", "speculative_num_steps")
+SWEPT = ("tp_size", "dp_size", "enable_dp_attention", "speculative_algorithm", "speculative_num_steps")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m dpserve.bench.spec",
         description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
-    add_engine_args(
-        p,
-        log_level="warning",
-        default_model="dpserve.testing.trained_mtp's model with --trained-layers layers (trained once, cached)",
-    )
-    p.set_defaults(dtype="float32")
+    # Without --model-path: dpserve.testing.trained_mtp's model with --trained-layers layers.
+    add_engine_args(p, defaults={"log_level": "warning", "model_path": None, "dtype": "float32"})
     p.add_argument(
         "--trained-layers",
         type=positive_int,

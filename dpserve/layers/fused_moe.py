@@ -4,15 +4,11 @@ mode and inside a captured CUDA graph alike.
 The (token, k) assignments are sorted by expert into blocks of `block_m` rows, each expert's
 rows padded to a whole number of blocks (`moe_align_block_size`). The buffers are sized for the
 worst case, rows * top_k + experts * (block_m - 1) rows, so their shapes depend only on the
-row count; blocks past the used ones are skipped. Two implementations share that layout:
-
-- `backend="triton"`: a grouped GEMM in two kernels. The first computes gate and up for a block
-  of rows against its expert's w13 and writes SiLU(gate) * up; the second multiplies by the
-  expert's w2 and scales by the routing weight. The top_k results of a token are then summed.
-- `backend="torch"`: the same blocks through `torch._grouped_mm` where the device supports it
-  (on the CPU with blocks of one row: no padding at all), otherwise a batched matmul over the
-  padded blocks (each block against its expert's weights); for CPUs, where Triton's interpreter
-  is too slow to serve.
+row count; blocks past the used ones are skipped. A grouped GEMM in two Triton kernels: the
+first computes gate and up for a block of rows against its expert's w13 and writes
+SiLU(gate) * up; the second multiplies by the expert's w2 and scales by the routing weight. The
+top_k results of a token are then summed. (The CPU runs `dpserve.layers.mlp.experts_loop`
+instead: Triton's interpreter is too slow to serve.)
 
 Weights follow `dpserve.layers.mlp.MoE`: w13 [experts, 2 * inter, hidden] (gate rows, then up
 rows) and w2 [experts, hidden, inter].
@@ -21,7 +17,6 @@ rows) and w2 [experts, hidden, inter].
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from dpserve.triton_setup import INTERPRET, tl, triton
 
@@ -169,18 +164,9 @@ def _down_kernel(
         tl.store(out_ptr, acc.to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-def default_block_m(x: torch.Tensor, w13: torch.Tensor, top_k: int, backend: str = "triton") -> int:
-    """Rows per expert block for `fused_experts`. Triton: 16 when few assignments per expert
-    (decode), 64 in prefill. torch on the CPU with `_grouped_mm`: 1, no padding (its groups may
-    have any size; measured on par with the expert loop and several times faster than running
-    every expert); on a GPU 16. torch with batched matmul: 4 or 16 (it gathers one weight copy
-    per block, so the padding blocks cost weight traffic)."""
-    few = x.shape[0] * top_k <= 4 * w13.shape[0]
-    if backend == "triton":
-        return 16 if few else 64
-    if _grouped_mm_supported(x, w13):
-        return 1 if x.device.type == "cpu" else 16
-    return 4 if few else 16
+def default_block_m(x: torch.Tensor, w13: torch.Tensor, top_k: int) -> int:
+    """Rows per expert block: 16 when few assignments per expert (decode), 64 in prefill."""
+    return 16 if x.shape[0] * top_k <= 4 * w13.shape[0] else 64
 
 
 def fused_experts(
@@ -190,7 +176,6 @@ def fused_experts(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     block_m: int | None = None,
-    backend: str = "triton",
 ) -> torch.Tensor:
     """The routed experts' weighted sum for each row, doing only the chosen experts' work.
 
@@ -199,8 +184,7 @@ def fused_experts(
     [0, experts) are skipped, e.g. for padded rows). Returns [rows, hidden] in x's dtype:
     sum over k of topk_weights[:, k] * w2[e] @ (SiLU(w13[e, :inter] @ x) * w13[e, inter:] @ x),
     e = topk_ids[:, k]. Every shape depends on rows, top_k and the weights' shapes only (graph
-    capturable). backend: "triton" (the grouped-GEMM kernels; interpreted on CPU-only machines)
-    or "torch" (`torch._grouped_mm` where supported, else a batched matmul over the blocks).
+    capturable); interpreted on CPU-only machines.
     """
     rows, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
@@ -209,15 +193,9 @@ def fused_experts(
     assert w13.shape[2] == hidden and w2.shape == (num_experts, hidden, inter)
     if rows == 0:
         return x.new_zeros(0, hidden)
-    if block_m is None:
-        block_m = default_block_m(x, w13, top_k, backend)
+    block_m = block_m or default_block_m(x, w13, top_k)
     sorted_ids, expert_ids, num_padded = moe_align_block_size(topk_ids, num_experts, block_m)
-    if backend == "triton":
-        out = _triton_experts(x, w13, w2, topk_weights, sorted_ids, expert_ids, num_padded, top_k, block_m)
-    elif backend == "torch":
-        out = _torch_experts(x, w13, w2, topk_weights, sorted_ids, expert_ids, top_k, block_m)
-    else:
-        raise ValueError(f"unknown fused_experts backend {backend!r}")
+    out = _triton_experts(x, w13, w2, topk_weights, sorted_ids, expert_ids, num_padded, top_k, block_m)
     return out.view(rows, top_k, hidden).sum(1)
 
 
@@ -277,43 +255,3 @@ def _triton_experts(x, w13, w2, topk_weights, sorted_ids, expert_ids, num_padded
         UPCAST=upcast,
     )
     return out
-
-
-def _grouped_mm_supported(x: torch.Tensor, w13: torch.Tensor) -> bool:
-    if not hasattr(torch, "_grouped_mm"):
-        return False
-    dims_aligned = all(d * x.element_size() % 16 == 0 for d in (x.shape[1], w13.shape[1] // 2))
-    if x.device.type == "cuda":  # bfloat16 on Hopper and newer
-        return (
-            dims_aligned and x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 9
-        )
-    return x.device.type == "cpu" and dims_aligned and x.dtype in (torch.float32, torch.bfloat16)
-
-
-def _torch_experts(x, w13, w2, topk_weights, sorted_ids, expert_ids, top_k, block_m, grouped=None):
-    rows, hidden = x.shape
-    num_experts = w13.shape[0]
-    n = rows * top_k
-    valid = sorted_ids < n
-    tok = torch.where(valid, sorted_ids // top_k, 0)
-    xs = x[tok]  # [num_blocks * block_m, hidden], expert by expert
-    if grouped is None:
-        grouped = _grouped_mm_supported(x, w13)
-    if grouped:
-        # Block ends of each expert: the expert of block i covers rows up to offs[expert].
-        block_end = (torch.arange(expert_ids.shape[0], device=x.device) + 1) * block_m
-        offs = torch.zeros(num_experts, dtype=torch.long, device=x.device)
-        offs.scatter_reduce_(0, expert_ids.clamp(min=0), torch.where(expert_ids >= 0, block_end, 0), "amax")
-        offs = offs.cummax(0).values.to(torch.int32)
-        gate, up = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-        y = torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=offs)
-    else:
-        e = expert_ids.clamp(min=0)
-        xb = xs.view(-1, block_m, hidden)
-        gate, up = torch.bmm(xb, w13[e].transpose(1, 2)).chunk(2, dim=-1)
-        y = torch.bmm(F.silu(gate) * up, w2[e].transpose(1, 2)).view(-1, hidden)
-    # Rows past the used blocks (and padding rows) land in a spare row, cut below.
-    w = torch.cat([topk_weights.reshape(-1), topk_weights.new_zeros(1)])[sorted_ids.clamp(max=n)]
-    out = x.new_zeros((n + 1, hidden))
-    out.index_copy_(0, torch.where(valid, sorted_ids, n), (y * w[:, None].to(y.dtype)).to(x.dtype))
-    return out[:n]

@@ -1,30 +1,36 @@
-"""Dense MLP and MoE, tensor-parallel over WORLD. Both return partial sums (reduced by the caller)."""
+"""Dense MLP and MoE. Split over WORLD (tensor-parallel, or expert-parallel on gathered rows) they
+return partial sums the caller reduces; `on_own_rows` ones (replicated dense MLPs, MoE with
+all_to_all dispatch) return each rank's own rows finished."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed import ProcessGroup
 
+from dpserve.layers.ep_dispatch import dispatch_combine
 from dpserve.layers.linear import Linear
-from dpserve.models.checkpoint import CheckpointReader
+from dpserve.step.records import StepLayout
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate_local: int):
+    def __init__(self, hidden: int, intermediate_local: int, replicated: bool = False):
         super().__init__()
+        self.replicated = replicated  # the whole intermediate dimension on every rank
         self.gate_up_proj = Linear(hidden, 2 * intermediate_local)
         self.down_proj = Linear(intermediate_local, hidden)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    @property
+    def on_own_rows(self) -> bool:
+        """Runs on each rank's own rows (no gather of every group's rows over WORLD)."""
+        return self.replicated
+
+    def forward(
+        self, x: torch.Tensor, layout: StepLayout | None = None, real_rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
-
-    def load(self, r: CheckpointReader, prefix: str, shard: int, num_shards: int) -> None:
-        gate = r.get_shard(f"{prefix}.gate_proj.weight", 0, shard, num_shards)
-        up = r.get_shard(f"{prefix}.up_proj.weight", 0, shard, num_shards)
-        self.gate_up_proj.weight.data.copy_(torch.cat([gate, up]))
-        self.down_proj.weight.data.copy_(r.get_shard(f"{prefix}.down_proj.weight", 1, shard, num_shards))
 
 
 def select_experts(
@@ -42,7 +48,7 @@ def select_experts(
     scores = router_logits.softmax(-1) if scoring == "softmax" else router_logits.sigmoid()
     choice = scores if correction_bias is None else scores + correction_bias
     if method in ("group_limited_greedy", "noaux_tc"):
-        grouped = choice.view(choice.shape[0], num_groups, -1)
+        grouped = choice.view(choice.shape[0], num_groups, choice.shape[1] // num_groups)
         if method == "noaux_tc":
             group_scores = grouped.topk(2, dim=-1).values.sum(-1)
         else:
@@ -61,11 +67,22 @@ def select_experts(
 
 
 class MoE(nn.Module):
-    """Routed experts (each expert's intermediate dim split over WORLD) plus shared experts."""
+    """Routed experts plus shared experts. Tensor-parallel: every expert, its intermediate dimension
+    split over WORLD. Expert-parallel (`experts`: (first, count) of this rank): whole experts, the
+    rows routed elsewhere contribute nothing here (the reduce over WORLD adds the other ranks')."""
 
-    def __init__(self, cfg, intermediate_local: int, shared_local: int):
+    def __init__(
+        self,
+        cfg,
+        intermediate_local: int,
+        shared_local: int,
+        experts: tuple[int, int] | None = None,
+        a2a: bool = False,
+        world_group: ProcessGroup | None = None,
+    ):
         super().__init__()
         h, e = cfg.hidden_size, cfg.n_routed_experts
+        self.first_expert, self.num_experts = experts or (0, e)
         self.top_k = cfg.num_experts_per_tok
         self.topk_method = cfg.topk_method
         self.scoring = cfg.scoring_func
@@ -79,11 +96,27 @@ class MoE(nn.Module):
             if self.topk_method == "noaux_tc"
             else None
         )
-        self.w13 = nn.Parameter(torch.empty(e, 2 * intermediate_local, h), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(e, h, intermediate_local), requires_grad=False)
-        self.shared_experts = MLP(h, shared_local) if shared_local else None
+        n = self.num_experts
+        self.w13 = nn.Parameter(torch.empty(n, 2 * intermediate_local, h), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(n, h, intermediate_local), requires_grad=False)
+        # all_to_all dispatch over WORLD: every rank keeps its own rows, and runs the shared experts
+        # on them whole rather than gathering rows for a split (no collective for them at all).
+        self.a2a, self.world_group = a2a, world_group
+        # Rows routed to each expert (all experts) since the runner last took it: this rank's rows
+        # (own rows) or every group's (gathered). A plain tensor: not a weight the planner counts.
+        self.load = torch.zeros(e, dtype=torch.long)
+        self.shared_experts = MLP(h, shared_local, replicated=a2a) if shared_local else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    @property
+    def on_own_rows(self) -> bool:
+        return self.a2a
+
+    def forward(
+        self, x: torch.Tensor, layout: StepLayout | None = None, real_rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Rows of every group (TP MoE, EP gathering rows) or this rank's own (all_to_all; a padded
+        `layout` takes the fixed-capacity dispatch); `real_rows` (1 real, 0 padding) counts the
+        real rows' choices into `load`."""
         logits = F.linear(x.float(), self.gate)
         weights, ids = select_experts(
             logits,
@@ -96,34 +129,43 @@ class MoE(nn.Module):
             self.norm_topk_prob,
             self.scaling,
         )
+        if real_rows is not None:
+            self.load.index_add_(0, ids.flatten(), real_rows.repeat_interleave(self.top_k))
         out = self.shared_experts(x) if self.shared_experts is not None else torch.zeros_like(x)
+        if self.a2a:
+            world = self.gate.shape[0] // self.num_experts
+            padded = layout is not None and layout.padded
+            routed = dispatch_combine(
+                x, weights, ids, self.num_experts, world, self.world_group, self._unweighted, padded
+            )
+            return out.add_(routed)
+        # Experts of other ranks (expert-parallel) fall outside [0, num_experts): skipped.
+        return out.add_(self._routed(x, weights, ids - self.first_expert))
+
+    def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's experts' weighted sum per row (`ids`: local expert indices)."""
         if x.is_cuda:  # fixed shapes, top_k experts' work per row: eager and captured graphs alike
             from dpserve.layers.fused_moe import fused_experts  # Triton, imported where it runs
 
-            return out.add_(fused_experts(x, self.w13, self.w2, weights, ids))
-        self.add_experts_loop(out, x, weights, ids)
-        return out
+            return fused_experts(x, self.w13, self.w2, weights, ids)
+        return experts_loop(x, self.w13, self.w2, weights, ids)
 
-    def add_experts_loop(
-        self, out: torch.Tensor, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
-    ) -> None:
-        """Adds the routed experts' output: each chosen expert on its own rows (the CPU path, and
-        the reference of `fused_experts`)."""
-        for e in ids.unique().tolist():
-            rows, slot = torch.where(ids == e)
-            gate, up = F.linear(x[rows], self.w13[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.w2[e])
-            out.index_add_(0, rows, y * weights[rows, slot, None].to(y.dtype))
+    def _unweighted(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Each row through its one local expert (-1: none, zero output), as a dispatch delivers them."""
+        return self._routed(x, torch.ones_like(ids, dtype=torch.float32)[:, None], ids[:, None])
 
-    def load(self, r: CheckpointReader, prefix: str, shard: int, num_shards: int) -> None:
-        self.gate.data.copy_(r.get(f"{prefix}.gate.weight", torch.float32))
-        if self.correction_bias is not None:
-            self.correction_bias.data.copy_(r.get(f"{prefix}.gate.e_score_correction_bias", torch.float32))
-        for e in range(self.w13.shape[0]):
-            ep = f"{prefix}.experts.{e}"
-            gate = r.get_shard(f"{ep}.gate_proj.weight", 0, shard, num_shards)
-            up = r.get_shard(f"{ep}.up_proj.weight", 0, shard, num_shards)
-            self.w13.data[e].copy_(torch.cat([gate, up]))
-            self.w2.data[e].copy_(r.get_shard(f"{ep}.down_proj.weight", 1, shard, num_shards))
-        if self.shared_experts is not None:
-            self.shared_experts.load(r, f"{prefix}.shared_experts", shard, num_shards)
+
+def experts_loop(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """The routed experts' weighted sum per row, each chosen expert on its own rows (ids outside
+    [0, experts) skipped): the CPU path, and the reference of the fused kernels."""
+    out = torch.zeros_like(x)
+    for e in ids.unique().tolist():
+        if not 0 <= e < w13.shape[0]:
+            continue
+        rows, slot = torch.where(ids == e)
+        gate, up = F.linear(x[rows], w13[e]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2[e])
+        out.index_add_(0, rows, y * weights[rows, slot, None].to(y.dtype))
+    return out

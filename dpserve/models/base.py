@@ -1,32 +1,29 @@
-"""The decoder stack shared by every model: embedding, layers, final norm, LM head."""
+"""The decoder stack shared by every model: embedding, layers, final norm, LM head; and the weight
+tables of the parts every model shares (norms, dense MLPs, MoE)."""
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from tqdm import tqdm
 
 from dpserve.attention.backend import AttentionBackend
-from dpserve.distributed import Groups, Topology
+from dpserve.distributed import Groups, Topology, all_gather
 from dpserve.kvcache.pool import KVPool
-from dpserve.layers.dp_attention import DPAttentionComm, DPStep
+from dpserve.layers.dp_comm import DPComm
 from dpserve.layers.mlp import MLP, MoE
 from dpserve.layers.norm import RMSNorm
 from dpserve.models.batch import ForwardBatch
-from dpserve.models.checkpoint import CheckpointReader
 from dpserve.models.config import ModelConfig
-
-if TYPE_CHECKING:
-    from dpserve.models.mtp import MTPLayer
+from dpserve.models.loader import Weight
+from dpserve.models.mtp import MTPLayer
+from dpserve.step.records import StepLayout
 
 
 class DecoderLayer(nn.Module):
     """Attention on local rows, DP gather, MLP/MoE on global rows, DP scatter."""
 
-    def __init__(self, cfg: ModelConfig, attn: nn.Module, mlp: MLP | MoE, comm: DPAttentionComm):
+    def __init__(self, cfg: ModelConfig, attn: nn.Module, mlp: MLP | MoE, comm: DPComm):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = attn
@@ -36,28 +33,73 @@ class DecoderLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
         attn_partial = self.self_attn(self.input_layernorm(hidden), batch, pool)
-        global_rows, residual = self.comm.gather(attn_partial, hidden, batch.step, batch.row_index)
-        mlp_partial = self.mlp(self.post_attention_layernorm(global_rows))
-        return self.comm.scatter(mlp_partial, residual, batch.step, batch.row_index)
+        if self.mlp.on_own_rows:  # replicated dense MLP, or MoE with all_to_all dispatch
+            rows, residual = self.comm.own_rows(attn_partial, hidden, batch.layout)
+            out = self.mlp(self.post_attention_layernorm(rows), batch.layout, batch.moe_rows) + residual
+            return self.comm.from_own_rows(out, batch.layout)
+        global_rows, residual = self.comm.gather(attn_partial, hidden, batch.layout, batch.row_index)
+        mlp_partial = self.mlp(self.post_attention_layernorm(global_rows), batch.layout, batch.moe_rows)
+        return self.comm.scatter(mlp_partial, residual, batch.layout, batch.row_index)
 
-    def load(self, r: CheckpointReader, prefix: str, topo: Topology) -> None:
-        self.input_layernorm.weight.data.copy_(r.get(f"{prefix}.input_layernorm.weight"))
-        self.post_attention_layernorm.weight.data.copy_(r.get(f"{prefix}.post_attention_layernorm.weight"))
-        self.self_attn.load(r, f"{prefix}.self_attn")
-        self.mlp.load(r, f"{prefix}.mlp", topo.rank, topo.tp_size)
+    def weights(self, prefix: str, topo: Topology) -> list[Weight]:
+        mlp = self.mlp
+        mlp_table = moe_weights if isinstance(mlp, MoE) else mlp_weights
+        return [
+            Weight(f"{prefix}.input_layernorm.weight", self.input_layernorm.weight),
+            Weight(f"{prefix}.post_attention_layernorm.weight", self.post_attention_layernorm.weight),
+            *self.self_attn.weights(f"{prefix}.self_attn"),
+            *mlp_table(mlp, f"{prefix}.mlp", topo),
+        ]
+
+
+def mlp_weights(mlp: MLP, prefix: str, topo: Topology) -> list[Weight]:
+    """A dense MLP split over WORLD (gate and up by rows, fused; down by columns), or replicated
+    when it holds the whole intermediate dimension (moe_dense_tp_size 1, shared experts beside
+    all_to_all dispatch)."""
+    gate, up = mlp.gate_up_proj.weight.chunk(2)
+    down = mlp.down_proj.weight
+    rows, cols = ((None, 0), (None, 0)) if mlp.replicated else ((0, topo.rank), (1, topo.rank))
+    return [
+        Weight(f"{prefix}.gate_proj.weight", gate, *rows),
+        Weight(f"{prefix}.up_proj.weight", up, *rows),
+        Weight(f"{prefix}.down_proj.weight", down, *cols),
+    ]
+
+
+def moe_weights(moe: MoE, prefix: str, topo: Topology) -> list[Weight]:
+    """The router (replicated, float32); the routed experts, each split over WORLD as a dense MLP is
+    (TP MoE) or this rank's own whole (EP: only they are read); the shared experts."""
+    out = [Weight(f"{prefix}.gate.weight", moe.gate)]
+    if moe.correction_bias is not None:
+        out.append(Weight(f"{prefix}.gate.e_score_correction_bias", moe.correction_bias))
+    whole = moe.num_experts < moe.gate.shape[0]  # expert-parallel
+    for local in range(moe.num_experts):
+        gate, up = moe.w13[local].chunk(2)
+        name = f"{prefix}.experts.{moe.first_expert + local}"
+        part = (None, 0) if whole else (0, topo.rank)
+        out += [
+            Weight(f"{name}.gate_proj.weight", gate, *part),
+            Weight(f"{name}.up_proj.weight", up, *part),
+            Weight(f"{name}.down_proj.weight", moe.w2[local], *(None, 0) if whole else (1, topo.rank)),
+        ]
+    if moe.shared_experts is not None:
+        out += mlp_weights(moe.shared_experts, f"{prefix}.shared_experts", topo)
+    return out
 
 
 class CausalLM(nn.Module):
-    """Replicated embedding; LM head vocabulary-parallel over WORLD (vocab padded, never cut)."""
+    """Replicated embedding; LM head vocabulary-parallel over WORLD, or with `dp_lm_head` inside the
+    attention TP group (vocab padded, never cut)."""
 
     def __init__(
         self,
         cfg: ModelConfig,
         groups: Groups,
-        comm: DPAttentionComm,
+        comm: DPComm,
         layers: list[DecoderLayer],
         backend: AttentionBackend,
         mtp: MTPLayer | None = None,
+        dp_lm_head: bool = False,
     ):
         super().__init__()
         self.cfg, self.groups, self.comm, self.attn_backend = cfg, groups, comm, backend
@@ -65,8 +107,9 @@ class CausalLM(nn.Module):
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        t = groups.topo.tp_size
-        self.vocab_shard = -(-cfg.vocab_size // t)
+        self.dp_lm_head = dp_lm_head
+        topo = groups.topo
+        self.vocab_shard = -(-cfg.vocab_size // (topo.attn_tp_size if dp_lm_head else topo.tp_size))
         self.lm_head = nn.Parameter(torch.empty(self.vocab_shard, cfg.hidden_size), requires_grad=False)
         self.mtp = mtp  # the NEXTN draft layer, when speculation asks for it
 
@@ -87,13 +130,16 @@ class CausalLM(nn.Module):
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Final norm and the vocabulary-parallel LM head on the rows to sample."""
-        return self.lm_head_logits(self.norm(hidden[batch.logit_idx]), batch.step)
+        return self.lm_head_logits(self.norm(hidden[batch.logit_idx]), batch.layout)
 
-    def lm_head_logits(self, rows: torch.Tensor, step: DPStep) -> torch.Tensor:
-        """Full-vocabulary logits (float32) of this group's normed `rows` (`step.logit_rows` of them)."""
-        rows = self.comm.gather_logit_rows(rows, step)
+    def lm_head_logits(self, rows: torch.Tensor, layout: StepLayout) -> torch.Tensor:
+        """Full-vocabulary logits (float32) of this group's normed `rows` (`layout.logit_rows` of them)."""
+        if self.dp_lm_head:  # this group's rows, the vocabulary split inside the group
+            shard = F.linear(rows, self.lm_head).float()  # [own rows, vocab_shard]
+            return all_gather(shard.t(), self.groups.attn_tp).t()[:, : self.cfg.vocab_size]
+        rows = self.comm.gather_logit_rows(rows, layout)
         shard = F.linear(rows, self.lm_head).float()  # [every group's rows, vocab_shard]
-        return self.comm.scatter_logits(shard, step)[:, : self.cfg.vocab_size]
+        return self.comm.scatter_logits(shard, layout)[:, : self.cfg.vocab_size]
 
     @torch.no_grad()
     def draft(
@@ -105,22 +151,35 @@ class CausalLM(nn.Module):
         self.attn_backend.prepare(batch.attn)
         out = self.mtp(self.embed_tokens(batch.input_ids), hidden, batch, pool)
         rows = self.mtp.shared_head_norm(out[batch.logit_idx])
-        return self.lm_head_logits(rows, batch.step), rows
+        return self.lm_head_logits(rows, batch.layout), rows
 
-    def load_weights(self, r: CheckpointReader, show_progress: bool) -> None:
+    def weights(self) -> list[Weight]:
+        """Where every parameter of this rank comes from in the checkpoint."""
         cfg, topo = self.cfg, self.groups.topo
-        self.embed_tokens.weight.data.copy_(r.get("model.embed_tokens.weight"))
         head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-        start = topo.rank * self.vocab_shard
-        self.lm_head.data.copy_(r.get_rows(head, start, start + self.vocab_shard))
-        self.norm.weight.data.copy_(r.get("model.norm.weight"))
-        layers = tqdm(
-            list(enumerate(self.layers)), desc="Loading weights", unit="layer", disable=not show_progress
-        )
-        for i, layer in layers:
-            layer.load(r, f"model.layers.{i}", topo)
+        out = [
+            Weight("model.embed_tokens.weight", self.embed_tokens.weight),
+            Weight(head, self.lm_head, 0, topo.attn_tp_rank if self.dp_lm_head else topo.rank, pad=True),
+            Weight("model.norm.weight", self.norm.weight),
+        ]
+        for i, layer in enumerate(self.layers):
+            out += layer.weights(f"model.layers.{i}", topo)
         if self.mtp is not None:  # DeepSeek's checkpoints put it after the last decoder layer
-            self.mtp.load(r, f"model.layers.{cfg.num_layers}", topo)
+            prefix = f"model.layers.{cfg.num_layers}"
+            out += self.mtp.weights(prefix) + self.mtp.layer.weights(prefix, topo)
+        return out
+
+    @property
+    def moe_layers(self) -> list[MoE]:
+        """The MoE layers, the MTP layer's last."""
+        layers = [*self.layers, *([self.mtp.layer] if self.mtp is not None else [])]
+        return [layer.mlp for layer in layers if isinstance(layer.mlp, MoE)]
+
+    @property
+    def moe_own_rank(self) -> int | None:
+        """The attention TP rank when the MoE runs on each rank's own rows (all_to_all), else None."""
+        moes = self.moe_layers
+        return self.groups.topo.attn_tp_rank if moes and moes[0].on_own_rows else None
 
     @property
     def kv_layers(self) -> int:

@@ -7,11 +7,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from transformers import AutoConfig, PretrainedConfig
 
-from dpserve.distributed import Topology
-from dpserve.models.checkpoint import CheckpointReader
+from dpserve.config import EngineConfig
+from dpserve.models.loader import CheckpointReader
 
 MLA_ARCHS = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 SUPPORTED_ARCHS = (*MLA_ARCHS, "LlamaForCausalLM")
@@ -39,6 +38,7 @@ class ModelConfig:
 
     @classmethod
     def load(cls, model_path: str) -> ModelConfig:
+        check_model_dir(model_path)
         hf = AutoConfig.from_pretrained(model_path)
         arch = (hf.architectures or ["?"])[0]
         if arch not in SUPPORTED_ARCHS:
@@ -69,27 +69,57 @@ class ModelConfig:
             num_mtp_layers=getattr(hf, "num_nextn_predict_layers", None) or 0,
         )
 
-    def validate(self, topo: Topology) -> None:
-        """Raises ValueError naming the numbers when the layout cannot split this model."""
+    def validate(self, cfg: EngineConfig) -> None:
+        """Raises ValueError naming the numbers, and the layouts that would work, when the engine's
+        layout (tp, dp or replicas, expert parallelism) cannot split this model."""
+        topo, replicas = cfg.rank_topology(0)[1], cfg.num_instances
         a, t = topo.attn_tp_size, topo.tp_size
-        layout = f"(tp={t}, dp={topo.dp_size}, attention TP size {a})"
-        if self.num_heads % a:
-            raise ValueError(f"num_attention_heads={self.num_heads} is not divisible by {a} {layout}")
-        if not self.is_mla and self.num_kv_heads % a and a % self.num_kv_heads:
+        groups = f"{replicas} replicas" if replicas > 1 else f"dp={topo.dp_size}"
+        layout = f"(tp={t}, {groups}, attention TP size {a})"
+        heads_fit = [
+            n
+            for n in range(1, self.num_heads + 1)
+            if self.num_heads % n == 0
+            and (self.is_mla or self.num_kv_heads % n == 0 or n % self.num_kv_heads == 0)
+        ]
+        if a not in heads_fit:
+            dps = [t // n for n in heads_fit if t % n == 0]
+            hint = (
+                f"; attention TP sizes (tp / dp with DP attention, tp without) this model takes: "
+                f"{', '.join(map(str, heads_fit))}"
+                + (f"; with tp={t}, DP attention works at dp in {dps}" if dps else "")
+            )
+            if self.num_heads % a:
+                raise ValueError(
+                    f"num_attention_heads={self.num_heads} is not divisible by {a} {layout}{hint}"
+                )
             raise ValueError(
-                f"num_key_value_heads={self.num_kv_heads} must divide or be divisible by {a} {layout}"
+                f"num_key_value_heads={self.num_kv_heads} must divide or be divisible by {a} {layout}{hint}"
             )
-        sizes = {"intermediate_size": self.hf.intermediate_size}
-        if self.is_mla and self.hf.n_routed_experts:
+        moe = self.is_mla and bool(self.hf.n_routed_experts)
+        if cfg.ep_size > 1 and not moe:
+            raise ValueError(f"ep_size={cfg.ep_size} splits routed experts, but {self.arch} has none")
+        if cfg.ep_size > 1 and self.hf.n_routed_experts % cfg.ep_size:
+            raise ValueError(
+                f"n_routed_experts={self.hf.n_routed_experts} is not divisible by ep_size={cfg.ep_size} {layout}"
+            )
+        # What is split over the tp ranks: dense MLPs (unless replicated), each routed expert (TP
+        # MoE), the shared experts (unless replicated beside all_to_all dispatch).
+        sizes = {}
+        if not (moe and self.hf.first_k_dense_replace == 0) and cfg.moe_dense_tp_size != 1:
+            sizes["intermediate_size"] = self.hf.intermediate_size
+        if moe and cfg.ep_size == 1:
             sizes["moe_intermediate_size"] = self.hf.moe_intermediate_size
-            sizes["moe_intermediate_size * n_shared_experts"] = self.hf.moe_intermediate_size * (
-                self.hf.n_shared_experts or 0
-            )
-            if self.hf.first_k_dense_replace == 0:
-                del sizes["intermediate_size"]
+        if moe and cfg.moe_a2a_backend != "all_to_all":
+            shared = self.hf.moe_intermediate_size * (self.hf.n_shared_experts or 0)
+            sizes["moe_intermediate_size * n_shared_experts"] = shared
         for name, size in sizes.items():
             if size % t:
-                raise ValueError(f"{name}={size} is not divisible by tp_size={t} {layout}")
+                tps = [n for n in range(1, t + 1) if all(v % n == 0 for v in sizes.values())]
+                raise ValueError(
+                    f"{name}={size} is not divisible by tp_size={t} {layout}; tp sizes up to {t} that "
+                    f"divide it: {', '.join(map(str, tps))}"
+                )
 
     def check_mtp(self) -> None:
         """Raises ValueError unless the checkpoint carries an MTP layer that NEXTN can draft with."""
@@ -100,11 +130,25 @@ class ModelConfig:
                 "its MTP weights, or speculative_algorithm NGRAM"
             )
         name = f"model.layers.{self.num_layers}.eh_proj.weight"
-        if name not in CheckpointReader(self.path, torch.float32).file_of:
+        if name not in CheckpointReader(self.path).file_of:
             raise ValueError(
                 f"{self.path}: config.json has num_nextn_predict_layers={self.num_mtp_layers} but the "
                 f"checkpoint has no {name} (its MTP weights were left out)"
             )
+
+
+def check_model_dir(model_path: str) -> None:
+    """Raises ValueError, in one sentence saying what is accepted, unless `model_path` is a local
+    Hugging Face directory (nothing is fetched from a model hub)."""
+    accepted = (
+        "--model-path takes a local Hugging Face directory (config.json and *.safetensors), a .gguf "
+        "file, or smollm2-135m-instruct (the embedded model); nothing is downloaded from a model hub"
+    )
+    path = Path(model_path).expanduser()
+    if not path.is_dir():
+        raise ValueError(f"{model_path!r} is not a directory: {accepted}")
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{model_path} has no config.json: {accepted}")
 
 
 def _eos_ids(model_path: Path, hf: PretrainedConfig) -> tuple[int, ...]:

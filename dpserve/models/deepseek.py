@@ -2,28 +2,61 @@
 
 from __future__ import annotations
 
+import dataclasses
+from itertools import accumulate
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from dpserve.attention.backend import AttentionBackend
-from dpserve.distributed import Topology
+from dpserve.attention.backend import AttentionBackend, AttentionMetadata
+from dpserve.config import EngineConfig
+from dpserve.distributed import Groups, Topology
 from dpserve.kvcache.pool import KVPool
 from dpserve.layers.linear import Linear
 from dpserve.layers.mlp import MLP, MoE
 from dpserve.layers.norm import RMSNorm
 from dpserve.layers.rotary import RotaryEmbedding, yarn_softmax_scale
 from dpserve.models.batch import ForwardBatch
-from dpserve.models.checkpoint import CheckpointReader
 from dpserve.models.config import ModelConfig
+from dpserve.models.loader import Weight
 
 LORA_NORM_EPS = 1e-6  # DeepSeek's q_a/kv_a layernorms use the default epsilon
+# Peak FLOP/s over memory bytes/s, what turns bytes into FLOP-equivalents in mha_is_cheaper: about
+# 300 for an H100/H200 (989 TFLOP/s bf16, 3.3-4.8 TB/s), about 20 for a few CPU cores.
+FLOPS_PER_BYTE = {"gpu": 300, "cpu": 20}
+
+
+def mha_is_cheaper(
+    q: int, kv: int, heads: int, rank: int, rope: int, nope: int, v: int, on_gpu: bool, elem: int = 2
+) -> bool:
+    """Whether a request with `q` new tokens attending to `kv` keys (its cached prefix and
+    itself) costs less in the multi-head form than in the absorbed one: FLOPs of each, plus the
+    bytes each moves weighted by the device's FLOPs per byte.
+
+    absorbed: q_nope -> latent (q*nope*rank per head), scores and values over the latent
+              (q*kv*(rank + rope) + q*kv*rank), latent -> v (q*rank*v); the kernels read the
+              cached latent once per query block of 64.
+    multi-head: every key and value expanded from the latent (kv*rank*(nope + v)), then ordinary
+              attention (q*kv*(nope + rope) + q*kv*v); the expanded keys and values are written
+              and read once.
+    """
+    flops_abs = 2 * heads * (q * nope * rank + q * kv * (2 * rank + rope) + q * rank * v)
+    flops_mha = 2 * heads * (kv * rank * (nope + v) + q * kv * (nope + rope + v))
+    bytes_abs = -(-q // 64) * kv * (rank + rope) * elem
+    bytes_mha = 2 * kv * heads * (nope + rope + v) * elem + kv * (rank + rope) * elem
+    ratio = FLOPS_PER_BYTE["gpu" if on_gpu else "cpu"]
+    return flops_mha + ratio * bytes_mha < flops_abs + ratio * bytes_abs
 
 
 class MLAAttention(nn.Module):
     """Heads split over ATTN_TP; the cache holds one latent + rope key per token (not split).
 
-    Runs in absorbed form: q_nope is mapped into the latent space with W_UK and the
-    attended latent is mapped out with W_UV, so keys and values are never expanded.
+    Two forms, chosen per request (`mha_is_cheaper`): the absorbed form maps q_nope into the latent
+    space with W_UK and the attended latent out with W_UV, so keys and values are never expanded
+    (decode, and extends whose cached prefix dominates); the multi-head form expands every key and
+    value from the latent through kv_b_proj and runs ordinary causal attention with as many KV
+    heads as query heads (prefill, where it needs about a third of the absorbed form's FLOPs).
     """
 
     def __init__(
@@ -33,11 +66,13 @@ class MLAAttention(nn.Module):
         layer_id: int,
         backend: AttentionBackend,
         rotary: RotaryEmbedding,
+        prefill: str = "auto",
     ):
         super().__init__()
         hf = cfg.hf
         if getattr(hf, "attention_bias", False):
             raise ValueError("MLA with attention_bias=True is not supported")
+        self.prefill = prefill  # extend steps' form: auto, absorbed or multi_head
         self.layer_id, self.topo, self.backend = layer_id, topo, backend
         self.heads = cfg.num_heads // topo.attn_tp_size
         self.nope, self.rope_dim, self.v_dim = hf.qk_nope_head_dim, hf.qk_rope_head_dim, hf.v_head_dim
@@ -53,8 +88,8 @@ class MLAAttention(nn.Module):
             self.q_proj = Linear(h, self.heads * qk_dim)
         self.kv_a_proj_with_mqa = Linear(h, self.rank + self.rope_dim)
         self.kv_a_layernorm = RMSNorm(self.rank, LORA_NORM_EPS)
-        self.w_uk = nn.Parameter(torch.empty(self.heads, self.nope, self.rank), requires_grad=False)
-        self.w_uv = nn.Parameter(torch.empty(self.heads, self.v_dim, self.rank), requires_grad=False)
+        # Keys (nope part) and values from the latent, per head: W_UK rows then W_UV rows.
+        self.kv_b_proj = Linear(self.rank, self.heads * (self.nope + self.v_dim))
         self.o_proj = Linear(self.heads * self.v_dim, h)
         self.scale = qk_dim**-0.5 * yarn_softmax_scale(dict(hf.rope_parameters or {}))
         self.rotary = rotary  # one table for the whole model
@@ -73,38 +108,104 @@ class MLAAttention(nn.Module):
         q_pe = self.rotary(q_pe, batch.positions)
         k_pe = self.rotary(k_pe.unsqueeze(1), batch.positions).squeeze(1)
         pool.write(self.layer_id, batch.out_slots, torch.cat([latent, k_pe], dim=-1))
-        q_latent = torch.einsum("nhd,hdr->nhr", q_nope, self.w_uk)
-        out_latent = self.backend.mla(
-            torch.cat([q_latent, q_pe], dim=-1),
-            pool.layers[self.layer_id][0],
-            batch.attn,
-            self.scale,
-            self.rank,
-        )
-        out = torch.einsum("nhr,hvr->nhv", out_latent, self.w_uv).reshape(n, -1)
-        return self.o_proj(out)
-
-    def load(self, r: CheckpointReader, prefix: str) -> None:
-        shard, count = self.topo.attn_tp_rank, self.topo.attn_tp_size
-        if self.q_lora_rank:
-            self.q_a_proj.weight.data.copy_(r.get(f"{prefix}.q_a_proj.weight"))
-            self.q_a_layernorm.weight.data.copy_(r.get(f"{prefix}.q_a_layernorm.weight"))
-            self.q_b_proj.weight.data.copy_(r.get_shard(f"{prefix}.q_b_proj.weight", 0, shard, count))
+        split = self._split(batch.attn, x.is_cuda)
+        if split is None:
+            out = self._absorbed(q_nope, q_pe, pool, batch.attn)
         else:
-            self.q_proj.weight.data.copy_(r.get_shard(f"{prefix}.q_proj.weight", 0, shard, count))
-        self.kv_a_proj_with_mqa.weight.data.copy_(r.get(f"{prefix}.kv_a_proj_with_mqa.weight"))
-        self.kv_a_layernorm.weight.data.copy_(r.get(f"{prefix}.kv_a_layernorm.weight"))
-        kv_b = r.get_shard(f"{prefix}.kv_b_proj.weight", 0, shard, count)
-        kv_b = kv_b.view(self.heads, self.nope + self.v_dim, self.rank)
-        self.w_uk.data.copy_(kv_b[:, : self.nope])
-        self.w_uv.data.copy_(kv_b[:, self.nope :])
-        self.o_proj.weight.data.copy_(r.get_shard(f"{prefix}.o_proj.weight", 1, shard, count))
+            out = q.new_empty((n, self.heads, self.v_dim))
+            (_, mha_tokens, keys_meta, key_slots), rest = split
+            q_mha = torch.cat([q_nope[mha_tokens], q_pe[mha_tokens]], dim=-1)
+            out[mha_tokens] = self._multi_head(q_mha, pool, keys_meta, key_slots)
+            if rest is not None:
+                out[rest[1]] = self._absorbed(q_nope[rest[1]], q_pe[rest[1]], pool, rest[0])
+        return self.o_proj(out.reshape(n, -1))
+
+    def _absorbed(self, q_nope, q_pe, pool: KVPool, meta: AttentionMetadata) -> torch.Tensor:
+        w_uk, w_uv = self.kv_b_proj.weight.view(self.heads, -1, self.rank).split([self.nope, self.v_dim], 1)
+        q_latent = torch.einsum("nhd,hdr->nhr", q_nope, w_uk)
+        q_abs = torch.cat([q_latent, q_pe], dim=-1)
+        out_latent = self.backend.mla(q_abs, pool.layers[self.layer_id][0], meta, self.scale, self.rank)
+        return torch.einsum("nhr,hvr->nhv", out_latent, w_uv)
+
+    def _multi_head(
+        self, q, pool: KVPool, keys_meta: AttentionMetadata, key_slots: torch.Tensor
+    ) -> torch.Tensor:
+        """q [tokens, heads, nope + rope] of the multi-head requests against every key of theirs,
+        expanded from the cached latent (`key_slots`: their pool slots in order); `keys_meta`
+        reads those expanded keys as a pool of their own (row 0: padding)."""
+        cached = pool.layers[self.layer_id][0][key_slots]  # [keys, latent + rope]
+        kv = self.kv_b_proj(cached[:, : self.rank]).view(-1, self.heads, self.nope + self.v_dim)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        k_pe = cached[:, None, self.rank :].expand(-1, self.heads, -1)
+        k = F.pad(torch.cat([k_nope, k_pe], dim=-1), (0, 0, 0, 0, 1, 0))
+        return self.backend.gqa(q, k, F.pad(v, (0, 0, 0, 0, 1, 0)), keys_meta, self.scale)
+
+    def _split(self, meta: AttentionMetadata, on_gpu: bool):
+        """Once per forward (cached for the other layers): None when every request takes the absorbed
+        form, else ((multi-head requests' metadata, their tokens, the metadata reading their expanded
+        keys, those keys' slots), (the other requests' metadata, tokens) or None)."""
+        if "mla_split" not in meta.state:
+            meta.state["mla_split"] = self._plan_split(meta, on_gpu)
+        return meta.state["mla_split"]
+
+    def _plan_split(self, meta: AttentionMetadata, on_gpu: bool):
+        if meta.max_q_len <= 1 or meta.q_lens_host is None:
+            return None
+        dims = (self.heads, self.rank, self.rope_dim, self.nope, self.v_dim)
+        pairs = list(zip(meta.q_lens_host, meta.seq_lens_host, strict=True))
+        if self.prefill == "absorbed":
+            return None
+        forced = self.prefill == "multi_head"
+        mha = [
+            i for i, (q, kv) in enumerate(pairs) if q > 1 and (forced or mha_is_cheaper(q, kv, *dims, on_gpu))
+        ]
+        if not mha:
+            return None
+        sub, tokens = meta.select(mha)
+        kv_lens, dev = sub.seq_lens_host, sub.req_idx.device
+        table = sub.req_to_token[sub.req_idx, : sub.max_seq_len]
+        key_slots = torch.cat([table[i, :n] for i, n in enumerate(kv_lens)]).long()
+        # The expanded keys as a pool of their own: request i's at rows 1 + (keys before it) on.
+        first = torch.tensor(list(accumulate([1, *kv_lens[:-1]])), dtype=torch.int32, device=dev)
+        positions = torch.arange(sub.max_seq_len, dtype=torch.int32, device=dev)
+        own = torch.where(positions[None, :] < sub.seq_lens[:, None], first[:, None] + positions, 0)
+        keys_meta = dataclasses.replace(
+            sub,
+            req_to_token=torch.cat([torch.zeros_like(own[:1]), own]),
+            req_idx=torch.arange(1, len(kv_lens) + 1, dtype=torch.int32, device=dev),
+            state={},
+        )
+        self.backend.prepare(keys_meta)
+        others = [i for i in range(len(pairs)) if i not in set(mha)]
+        rest = meta.select(others) if others else None
+        if rest is not None:
+            self.backend.prepare(rest[0])
+        return (sub, tokens, keys_meta, key_slots), rest
+
+    def weights(self, prefix: str) -> list[Weight]:
+        """Query, kv_b and o projections split by heads over ATTN_TP; the latent's replicated."""
+        r = self.topo.attn_tp_rank
+        if self.q_lora_rank:
+            q = [
+                Weight(f"{prefix}.q_a_proj.weight", self.q_a_proj.weight),
+                Weight(f"{prefix}.q_a_layernorm.weight", self.q_a_layernorm.weight),
+                Weight(f"{prefix}.q_b_proj.weight", self.q_b_proj.weight, 0, r),
+            ]
+        else:
+            q = [Weight(f"{prefix}.q_proj.weight", self.q_proj.weight, 0, r)]
+        return [
+            *q,
+            Weight(f"{prefix}.kv_a_proj_with_mqa.weight", self.kv_a_proj_with_mqa.weight),
+            Weight(f"{prefix}.kv_a_layernorm.weight", self.kv_a_layernorm.weight),
+            Weight(f"{prefix}.kv_b_proj.weight", self.kv_b_proj.weight, 0, r),
+            Weight(f"{prefix}.o_proj.weight", self.o_proj.weight, 1, r),
+        ]
 
 
 def build_deepseek_layers(
-    cfg: ModelConfig, topo: Topology, backend: AttentionBackend, mtp: bool = False
+    cfg: ModelConfig, groups: Groups, backend: AttentionBackend, options: EngineConfig
 ) -> list[tuple[nn.Module, nn.Module]]:
-    """The decoder layers' (attention, MLP) pairs; `mtp` appends the MTP layer's pair (model layer
+    """The decoder layers' (attention, MLP) pairs; with NEXTN the MTP layer's pair last (model layer
     `num_layers`, whose KV lives in a pool of its own: KV layer 0)."""
     hf = cfg.hf
     if cfg.arch == "DeepseekV3ForCausalLM":
@@ -117,23 +218,28 @@ def build_deepseek_layers(
     interleaved = getattr(hf, "rope_interleave", True)
     rope = dict(hf.rope_parameters or {})
     rotary = RotaryEmbedding(hf.qk_rope_head_dim, cfg.context_len, rope, interleaved)
-    layers = [_layer(cfg, topo, backend, rotary, i, kv_layer=i) for i in range(cfg.num_layers)]
-    if mtp:
-        layers.append(_layer(cfg, topo, backend, rotary, cfg.num_layers, kv_layer=0))
-    return layers
+    mtp, topo = options.speculative_algorithm == "NEXTN", groups.topo
+    kv_layers = [*range(cfg.num_layers), *([0] if mtp else [])]  # the MTP layer: KV layer 0 of its pool
+    return [
+        (MLAAttention(cfg, topo, kv, backend, rotary, options.mla_prefill), _mlp(cfg, groups, options, i))
+        for i, kv in enumerate(kv_layers)
+    ]
 
 
-def _layer(
-    cfg: ModelConfig,
-    topo: Topology,
-    backend: AttentionBackend,
-    rotary: RotaryEmbedding,
-    index: int,
-    kv_layer: int,
-) -> tuple[nn.Module, nn.Module]:
-    hf, t = cfg.hf, topo.tp_size
-    attn = MLAAttention(cfg, topo, kv_layer, backend, rotary)
-    if hf.n_routed_experts and index >= hf.first_k_dense_replace:
-        shared = hf.moe_intermediate_size * (hf.n_shared_experts or 0)
-        return attn, MoE(hf, hf.moe_intermediate_size // t, shared // t)
-    return attn, MLP(cfg.hidden_size, hf.intermediate_size // t)
+def _mlp(cfg: ModelConfig, groups: Groups, options: EngineConfig, index: int) -> nn.Module:
+    """Layer `index`'s MLP: dense (split over the tp ranks, or replicated with moe_dense_tp_size 1)
+    or MoE (each expert split over the tp ranks, or whole experts per rank with ep_size tp)."""
+    hf, t = cfg.hf, groups.topo.tp_size
+    if not (hf.n_routed_experts and index >= hf.first_k_dense_replace):
+        if options.moe_dense_tp_size == 1:
+            return MLP(cfg.hidden_size, hf.intermediate_size, replicated=True)
+        return MLP(cfg.hidden_size, hf.intermediate_size // t)
+    shared = hf.moe_intermediate_size * (hf.n_shared_experts or 0)
+    # Beside all_to_all dispatch each rank keeps only its own rows: shared experts run there whole.
+    a2a = options.moe_a2a_backend == "all_to_all"
+    shared_local = shared if a2a else shared // t
+    if options.ep_size == 1:
+        return MoE(hf, hf.moe_intermediate_size // t, shared_local)
+    per_rank = hf.n_routed_experts // options.ep_size
+    experts = (groups.topo.rank * per_rank, per_rank)
+    return MoE(hf, hf.moe_intermediate_size, shared_local, experts, a2a, groups.world)

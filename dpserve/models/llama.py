@@ -12,8 +12,8 @@ from dpserve.layers.linear import Linear
 from dpserve.layers.mlp import MLP
 from dpserve.layers.rotary import RotaryEmbedding
 from dpserve.models.batch import ForwardBatch
-from dpserve.models.checkpoint import CheckpointReader
 from dpserve.models.config import ModelConfig
+from dpserve.models.loader import Weight
 
 
 class GQAAttention(nn.Module):
@@ -63,18 +63,19 @@ class GQAAttention(nn.Module):
         out = self.backend.gqa(q, k_cache, v_cache, batch.attn, self.scale)
         return self.o_proj(out.reshape(n, -1))
 
-    def _kv_weight(self, r: CheckpointReader, name: str) -> torch.Tensor:
-        if self.kv_start is None:
-            return r.get_shard(name, 0, self.topo.attn_tp_rank, self.topo.attn_tp_size)
-        return r.get_shard(name, 0, self.kv_start, self.num_kv_heads)
-
-    def load(self, r: CheckpointReader, prefix: str) -> None:
-        shard, count = self.topo.attn_tp_rank, self.topo.attn_tp_size
-        q = r.get_shard(f"{prefix}.q_proj.weight", 0, shard, count)
-        k = self._kv_weight(r, f"{prefix}.k_proj.weight")
-        v = self._kv_weight(r, f"{prefix}.v_proj.weight")
-        self.qkv_proj.weight.data.copy_(torch.cat([q, k, v]))
-        self.o_proj.weight.data.copy_(r.get_shard(f"{prefix}.o_proj.weight", 1, shard, count))
+    def weights(self, prefix: str) -> list[Weight]:
+        """q heads split over ATTN_TP; k/v heads too, or the one KV head this rank's queries use."""
+        q, k, v = self.qkv_proj.weight.split(
+            [self.heads * self.head_dim, *[self.kv_heads * self.head_dim] * 2]
+        )
+        r = self.topo.attn_tp_rank
+        kv_part = r if self.kv_start is None else self.kv_start
+        return [
+            Weight(f"{prefix}.q_proj.weight", q, 0, r),
+            Weight(f"{prefix}.k_proj.weight", k, 0, kv_part),
+            Weight(f"{prefix}.v_proj.weight", v, 0, kv_part),
+            Weight(f"{prefix}.o_proj.weight", self.o_proj.weight, 1, r),
+        ]
 
 
 def build_llama_layers(

@@ -11,24 +11,22 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dpserve.distributed import Topology
 from dpserve.kvcache.pool import KVPool
 from dpserve.layers.linear import Linear
 from dpserve.layers.norm import RMSNorm
-from dpserve.models.base import DecoderLayer
 from dpserve.models.batch import ForwardBatch
-from dpserve.models.checkpoint import CheckpointReader
 from dpserve.models.config import ModelConfig
+from dpserve.models.loader import Weight
 
 
 class MTPLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: DecoderLayer):
+    def __init__(self, cfg: ModelConfig, layer: nn.Module):
         super().__init__()
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.enorm = RMSNorm(h, eps)
         self.hnorm = RMSNorm(h, eps)
         self.eh_proj = Linear(2 * h, h)
-        self.layer = layer
+        self.layer = layer  # a DecoderLayer
         self.shared_head_norm = RMSNorm(h, eps)
 
     def forward(
@@ -39,9 +37,11 @@ class MTPLayer(nn.Module):
         x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1))
         return self.layer(x, batch, pool)
 
-    def load(self, r: CheckpointReader, prefix: str, topo: Topology) -> None:
-        self.enorm.weight.data.copy_(r.get(f"{prefix}.enorm.weight"))
-        self.hnorm.weight.data.copy_(r.get(f"{prefix}.hnorm.weight"))
-        self.eh_proj.weight.data.copy_(r.get(f"{prefix}.eh_proj.weight"))
-        self.shared_head_norm.weight.data.copy_(r.get(f"{prefix}.shared_head.norm.weight"))
-        self.layer.load(r, prefix, topo)
+    def weights(self, prefix: str) -> list[Weight]:
+        """Its own tensors (the decoder layer's come from the layer's table)."""
+        return [
+            Weight(f"{prefix}.enorm.weight", self.enorm.weight),
+            Weight(f"{prefix}.hnorm.weight", self.hnorm.weight),
+            Weight(f"{prefix}.eh_proj.weight", self.eh_proj.weight),
+            Weight(f"{prefix}.shared_head.norm.weight", self.shared_head_norm.weight),
+        ]

@@ -1,35 +1,34 @@
-"""Model registry: architecture name -> builder of (attention, mlp) pairs per layer."""
+"""The model of a checkpoint: MLA architectures (DeepSeek) or Llama, under DP attention."""
 
 from __future__ import annotations
 
 from dpserve.attention.backend import AttentionBackend
 from dpserve.attention.sdpa import SdpaBackend
+from dpserve.config import EngineConfig
 from dpserve.distributed import Groups
-from dpserve.layers.dp_attention import DPAttentionComm
+from dpserve.layers.dp_comm import DPComm
 from dpserve.models.base import CausalLM, DecoderLayer
 from dpserve.models.config import ModelConfig
 from dpserve.models.deepseek import build_deepseek_layers
 from dpserve.models.llama import build_llama_layers
 from dpserve.models.mtp import MTPLayer
 
-LAYER_BUILDERS = {
-    "DeepseekV2ForCausalLM": build_deepseek_layers,
-    "DeepseekV3ForCausalLM": build_deepseek_layers,
-    "LlamaForCausalLM": build_llama_layers,
-}
-
 
 def build_model(
-    cfg: ModelConfig, groups: Groups, backend: AttentionBackend | None = None, mtp: bool = False
+    cfg: ModelConfig, groups: Groups, options: EngineConfig, backend: AttentionBackend | None = None
 ) -> CausalLM:
-    """The model of `cfg`; `mtp`: with its MTP (NextN) layer (DeepSeek checkpoints that have one)."""
+    """The model of `cfg` on this rank, shaped by the engine `options` that shape it: NEXTN's MTP
+    layer (DeepSeek checkpoints that have one), MLA's prefill form, expert parallelism and the
+    dispatch path, the DP LM head, replicated dense layers."""
     backend = backend or SdpaBackend()
-    comm = DPAttentionComm(groups)
+    comm = DPComm(groups)
+    mtp = options.speculative_algorithm == "NEXTN"
     if mtp:
         cfg.check_mtp()
-        pairs = build_deepseek_layers(cfg, groups.topo, backend, mtp=True)
+    if cfg.is_mla:
+        pairs = build_deepseek_layers(cfg, groups, backend, options)
     else:
-        pairs = LAYER_BUILDERS[cfg.arch](cfg, groups.topo, backend)
+        pairs = build_llama_layers(cfg, groups.topo, backend)
     layers = [DecoderLayer(cfg, attn, mlp, comm) for attn, mlp in pairs]
     mtp_layer = MTPLayer(cfg, layers.pop()) if mtp else None
-    return CausalLM(cfg, groups, comm, layers, backend, mtp_layer)
+    return CausalLM(cfg, groups, comm, layers, backend, mtp_layer, options.enable_dp_lm_head)

@@ -8,11 +8,30 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import fields
+from typing import TYPE_CHECKING
 
-from dpserve.config import DEFAULT_CUDA_GRAPH_MAX_BS, PADDING_MODES
-from dpserve.memory import DEFAULT_MEM_FRACTION_STATIC
+from dpserve.cli import HelpFormatter, add_engine_args, engine_kwargs
+from dpserve.config import EngineConfig
 from dpserve.plan.model import BUNDLED
-from dpserve.plan.profiles import PROFILES
+from dpserve.plan.profiles import MAX_AGE, PROFILES
+
+if TYPE_CHECKING:
+    from dpserve.plan.layouts import Layout
+    from dpserve.plan.planner import Plan
+
+# The engine options the planner's figures depend on.
+PLANNED_OPTIONS = (
+    "dtype",
+    "mem_fraction_static",
+    "kv_cache_memory_gb",
+    "max_total_tokens",
+    "max_running_requests",
+    "chunked_prefill_size",
+    "dp_padding_mode",
+    "cuda_graph_max_bs",
+    "disable_cuda_graph",
+)
 
 
 def add_plan_args(p: argparse.ArgumentParser, engine_flags: bool = True) -> None:
@@ -27,7 +46,13 @@ def add_plan_args(p: argparse.ArgumentParser, engine_flags: bool = True) -> None
     hw.add_argument(
         "--gpu-memory-gb", type=float, default=None, help="override the profile's memory per GPU (GiB)"
     )
-    hw.add_argument("--remeasure", action="store_true", help="measure the cpu profile again")
+    hw.add_argument(
+        "--remeasure",
+        action="store_true",
+        help="measure the cpu profile again now (best on a quiet machine: load lengthens the measured "
+        f"times); it is measured again without this flag when the cache is older than {MAX_AGE.days} days "
+        "or comes from another torch version, CPU model or core count",
+    )
     hw.add_argument(
         "--moe-kernel",
         default="engine",
@@ -52,6 +77,21 @@ def add_plan_args(p: argparse.ArgumentParser, engine_flags: bool = True) -> None
     )
 
 
+def layout_arg(spec: str) -> Layout:
+    """--layout's TP:DP[:attn], e.g. 8:2:attn (tp 8, dp 2, DP attention) or 8:1."""
+    from dpserve.plan.layouts import Layout
+
+    parts = spec.split(":")
+    numbers = parts[:2]
+    if (
+        len(numbers) < 2
+        or not all(n.isdigit() and int(n) > 0 for n in numbers)
+        or parts[2:] not in ([], ["attn"])
+    ):
+        raise argparse.ArgumentTypeError(f"{spec!r}: expected TP:DP[:attn], e.g. 8:2:attn or 8:1")
+    return Layout(int(numbers[0]), int(numbers[1]), len(parts) == 3)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m dpserve.plan",
@@ -59,15 +99,15 @@ def build_parser() -> argparse.ArgumentParser:
         "weights and KV per rank, KV tokens per group and in all, the concurrency that fits, predicted decode "
         "step time and throughput over batch sizes (with the padding mode auto picks) and prefill time per "
         "chunk; recommendations per objective. Memory figures come from the engine's own code.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     m = p.add_argument_group("model")
     src = m.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", choices=BUNDLED, help="a bundled config (published architecture numbers)")
     src.add_argument(
-        "--model-path", help="a Hugging Face directory, its config.json, or what launch_server takes"
+        "--model-path",
+        help="a Hugging Face directory, its config.json, what launch_server takes, or a bundled name",
     )
-    m.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     m.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: from the profile")
     par = p.add_argument_group("layouts")
     par.add_argument(
@@ -77,43 +117,26 @@ def build_parser() -> argparse.ArgumentParser:
     par.add_argument(
         "--layout",
         nargs="+",
+        type=layout_arg,
         default=None,
         metavar="TP:DP[:attn]",
         help="only these layouts, e.g. 8:2:attn 8:1 (default: every layout of --num-gpus)",
     )
-    eng = p.add_argument_group("engine settings (as launch_server takes them)")
-    eng.add_argument("--mem-fraction-static", type=float, default=DEFAULT_MEM_FRACTION_STATIC)
-    eng.add_argument("--kv-cache-memory-gb", type=float, default=None)
-    eng.add_argument("--max-total-tokens", type=int, default=None)
-    eng.add_argument("--max-running-requests", type=int, default=256)
-    eng.add_argument("--chunked-prefill-size", type=int, default=2048)
-    eng.add_argument("--dp-padding-mode", default="auto", choices=PADDING_MODES)
-    eng.add_argument("--cuda-graph-max-bs", type=int, default=DEFAULT_CUDA_GRAPH_MAX_BS)
-    eng.add_argument("--disable-cuda-graph", action="store_true")
+    add_engine_args(p, only=PLANNED_OPTIONS)  # as launch_server takes them
     add_plan_args(p)
     return p
 
 
-def parse_layouts(specs: list[str] | None):
-    from dpserve.plan.layouts import Layout
-
-    if not specs:
-        return None
-    out = []
-    for s in specs:
-        parts = s.split(":")
-        out.append(Layout(int(parts[0]), int(parts[1]), len(parts) > 2 and parts[2] == "attn"))
-    return out
-
-
-def run(args: argparse.Namespace, engine_kwargs: dict, model: str, layouts=None) -> int:
-    from dpserve.plan import report
+def make(args: argparse.Namespace, options: dict, model: str, layouts: list[Layout] | None = None) -> Plan:
+    """The plan, after saying where a measured (cpu) profile comes from."""
     from dpserve.plan.planner import Workload, make_plan
-    from dpserve.plan.profiles import get_profile
+    from dpserve.plan.profiles import get_profile, provenance_lines
 
     name = args.device_profile or ("cpu" if getattr(args, "device", None) == "cpu" else "h100")
     profile = get_profile(name, remeasure=args.remeasure)
-    engine_kwargs = {k: v for k, v in engine_kwargs.items() if k != "device"}  # the profile's device
+    for line in provenance_lines(profile):
+        print(line, file=sys.stderr if args.json else sys.stdout)  # --json keeps stdout JSON
+    options = {k: v for k, v in options.items() if k != "device"}  # the profile's device
     num_gpus = getattr(args, "num_gpus", None) or (
         layouts[0].num_gpus if layouts else (4 if profile.is_cpu else 8)
     )
@@ -121,32 +144,61 @@ def run(args: argparse.Namespace, engine_kwargs: dict, model: str, layouts=None)
         args.input_len, args.output_len, args.concurrency, args.request_rate, args.tpot_ms, args.batch_size
     )
     gpu_mem = int(args.gpu_memory_gb * 2**30) if args.gpu_memory_gb else None
-    plan = make_plan(
-        model, profile, num_gpus, wl, engine_kwargs, args.nnodes, gpu_mem, layouts, args.moe_kernel
-    )
+    return make_plan(model, profile, num_gpus, wl, options, args.nnodes, gpu_mem, layouts, args.moe_kernel)
+
+
+def show(plan: Plan, args: argparse.Namespace) -> None:
+    from dpserve.plan import report
+
     if args.json:
         print(report.dumps(plan))
     else:
         print(report.render_text(plan, use_rich=not args.markdown))
+
+
+def run(args: argparse.Namespace, options: dict, model: str, layouts: list[Layout] | None = None) -> int:
     if args.plot:
-        report.plot(plan, args.plot)
+        try:
+            import matplotlib  # noqa: F401  (checked before planning, which takes a while)
+        except ImportError:
+            print(
+                'error: --plot needs matplotlib: pip install matplotlib (or pip install -e ".[bench]")',
+                file=sys.stderr,
+            )
+            return 2
+    plan = make(args, options, model, layouts)
+    show(plan, args)
+    if args.plot:
+        from dpserve.plan.report import plot
+
+        plot(plan, args.plot)
+    return 0
+
+
+def dry_run(cfg: EngineConfig, device_profile: str | None) -> int:
+    """launch_server --dry-run: the plan of that one layout, with its engine options; exit code 2 and
+    the reason when that layout cannot run."""
+    from dpserve.plan.layouts import Layout
+    from dpserve.plan.report import reason, runs
+
+    args = build_parser().parse_args(["--model-path", cfg.model_path, "--nnodes", str(cfg.nnodes)])
+    args.device_profile = device_profile or ("cpu" if cfg.device == "cpu" else "h100")
+    layout = Layout(cfg.tp_size, cfg.dp_size, cfg.enable_dp_attention)
+    planned = ("model_path", "tp_size", "dp_size", "enable_dp_attention")
+    options = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name not in planned}
+    plan = make(args, options, cfg.model_path, [layout])
+    lp = plan.layouts[0]
+    if not runs(lp):
+        print(f"error: {layout.flags} cannot run {cfg.model_path}: {reason(lp)}", file=sys.stderr)
+        return 2
+    show(plan, args)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    engine_kwargs = dict(
-        dtype=args.dtype,
-        mem_fraction_static=args.mem_fraction_static,
-        kv_cache_memory_gb=args.kv_cache_memory_gb,
-        max_total_tokens=args.max_total_tokens,
-        max_running_requests=args.max_running_requests,
-        chunked_prefill_size=args.chunked_prefill_size,
-        dp_padding_mode=args.dp_padding_mode,
-        cuda_graph_max_bs=args.cuda_graph_max_bs,
-        disable_cuda_graph=args.disable_cuda_graph,
-    )
-    return run(args, engine_kwargs, args.model or args.model_path, parse_layouts(args.layout))
+    options = engine_kwargs(args, only=PLANNED_OPTIONS)
+    return run(args, options, args.model or args.model_path, args.layout)
 
 
 if __name__ == "__main__":

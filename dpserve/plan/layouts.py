@@ -1,6 +1,6 @@
 """Layouts the engine can take on a number of GPUs, and their memory figures computed by the
 engine's own code: EngineConfig and ModelConfig.validate decide validity (their ValueError is the
-reason shown), `build_model` on the meta device gives the weights per rank, `KVPool.bytes_per_token`
+reason shown), `build_model` on the meta device gives the weights per rank, `kv_bytes_per_token`
 the KV bytes per token, and dpserve.memory the pool size, exactly as a started engine computes them.
 """
 
@@ -12,12 +12,11 @@ import torch
 
 from dpserve.config import EngineConfig
 from dpserve.distributed import Groups
-from dpserve.engine.model_runner import DTYPES
-from dpserve.kvcache.pool import KVPool
 from dpserve.layers.mlp import MLP, MoE
 from dpserve.memory import (
-    activation_peak_estimate,
+    dtype_bytes,
     kv_budget_bytes,
+    kv_bytes_per_token,
     kv_pool_tokens,
     param_bytes,
 )
@@ -128,6 +127,41 @@ class LayoutMemory:
         return self.kv_tokens_per_group * self.groups
 
 
+def activation_peak_estimate(
+    hf,
+    hidden_size: int,
+    num_heads_local: int,
+    tp_size: int,
+    dp_size: int,
+    chunk_tokens: int,
+    dtype: torch.dtype,
+    is_mla: bool,
+) -> int:
+    """Bytes of the largest transient tensors of one prefill forward of `chunk_tokens` rows per DP
+    group (the MoE/MLP sees dp_size times as many rows). An upper-end estimate used by the planner
+    where the engine measures (`torch.cuda.max_memory_allocated` around a warm-up forward)."""
+    e = dtype_bytes(dtype)
+    n, rows = chunk_tokens, chunk_tokens * dp_size
+    if is_mla:
+        latent = hf.kv_lora_rank + hf.qk_rope_head_dim
+        # q in latent space, attended latent, and the score matrix of one head group at a time
+        attn = n * num_heads_local * (2 * latent + hf.v_head_dim) * e
+        attn += n * n * num_heads_local * 4  # float32 scores of the reference backend
+    else:
+        head_dim = getattr(hf, "head_dim", None) or hidden_size // num_heads_local // max(tp_size, 1)
+        attn = 3 * n * num_heads_local * head_dim * e + n * n * num_heads_local * 4
+    inter = getattr(hf, "intermediate_size", 0) or 0
+    if getattr(hf, "n_routed_experts", None):
+        inter = max(inter, hf.moe_intermediate_size * (hf.n_shared_experts or 0))
+        # router logits in float32, plus one expert's rows at a time (top_k / experts of all rows)
+        routed = rows * hf.n_routed_experts * 4 + rows * hf.num_experts_per_tok * hidden_size * e
+    else:
+        routed = 0
+    mlp = rows * 3 * -(-inter // tp_size) * e + routed
+    gathered = 4 * rows * hidden_size * e  # the gathered buffer, residual, partials, norm output
+    return int(attn + mlp + gathered)
+
+
 def engine_config(layout: Layout, model_path: str, device: str, engine_kwargs: dict) -> EngineConfig:
     return EngineConfig(
         model_path=model_path,
@@ -145,14 +179,20 @@ _MODEL_CACHE: dict = {}
 def meta_model(model_cfg: ModelConfig, cfg: EngineConfig, rank: int = 0):
     """The engine's model of global rank `rank`, built on the meta device (no memory, no weights)."""
     _, topo = cfg.rank_topology(rank)
-    mtp = cfg.speculative_algorithm == "NEXTN"
-    key = (id(model_cfg), topo, cfg.dtype, mtp)
+    shaping = (
+        cfg.speculative_algorithm,
+        cfg.ep_size,
+        cfg.moe_a2a_backend,
+        cfg.enable_dp_lm_head,
+        cfg.moe_dense_tp_size,
+    )
+    key = (id(model_cfg), topo, cfg.dtype, shaping)
     if key not in _MODEL_CACHE:
         previous = torch.get_default_dtype()
-        torch.set_default_dtype(DTYPES[cfg.dtype])
+        torch.set_default_dtype(cfg.torch_dtype)
         try:
             with torch.device("meta"):
-                _MODEL_CACHE[key] = build_model(model_cfg, Groups(topo, None, None, None, None), mtp=mtp)
+                _MODEL_CACHE[key] = build_model(model_cfg, Groups(topo, None, None, None, None), cfg)
         finally:
             torch.set_default_dtype(previous)
     return _MODEL_CACHE[key]
@@ -170,17 +210,16 @@ def layout_memory(
     out = LayoutMemory(layout)
     try:
         cfg = engine_config(layout, model_path, device, engine_kwargs)
-        topo = cfg.rank_topology(0)[1]
-        model_cfg.validate(topo)
+        model_cfg.validate(cfg)
         model = meta_model(model_cfg, cfg)
     except ValueError as e:
         out.error = str(e)
         return out
     out.cfg = cfg
     out.groups = layout.dp
-    dtype = DTYPES[cfg.dtype]
+    dtype = cfg.torch_dtype
     out.weight_bytes = param_bytes(model)
-    out.kv_bytes_per_token = KVPool.bytes_per_token(model.kv_layers, model.kv_entry_shapes(), dtype)
+    out.kv_bytes_per_token = kv_bytes_per_token(model.kv_layers, model.kv_entry_shapes(), dtype)
     out.comp = components(model)
     if cfg.device == "cuda" and cfg.max_total_tokens is None and cfg.kv_cache_memory_gb is None:
         out.activation_bytes = activation_peak_estimate(

@@ -10,7 +10,7 @@ Decode step time of one rank (all ranks step in lockstep) at a global batch of B
 Bytes: attention weights, the routed experts the step touches (E * (1 - (1 - k/E)^rows): the engine
 runs only the chosen experts, by the fused grouped GEMM on GPU, in eager steps and CUDA graphs
 alike; all E with `moe_kernel="dense"`, for comparison), dense MLP and shared experts, the KV cache read. Rows: the padded rows each mode makes
-(design section 4): sum_len bucket(S) rows; max_len dp * round_up(bucket(max n_g), A).
+(docs/design.md, section 4): sum_len bucket(S) rows; max_len dp * round_up(bucket(max n_g), A).
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ import bisect
 import math
 from dataclasses import dataclass, field
 
-from dpserve.layers.dp_attention import round_up
 from dpserve.memory import dtype_bytes
 from dpserve.models.config import ModelConfig
 from dpserve.plan.layouts import Layout, LayoutMemory, enumerate_layouts, layout_memory
 from dpserve.plan.profiles import DeviceProfile
+from dpserve.step.records import round_up
 
 # Eager ops per step on the CPU (counted with a TorchDispatchMode on the engine's forward of the tiny
 # models): fixed per step, per layer by part, per routed expert the sparse path visits.
@@ -62,7 +62,7 @@ class LayoutPlan:
     prefill_chunk_s: float = 0.0  # one prefill step of chunked_prefill_size tokens in every group
     prefill_chunk_tokens: int = 0
     at_concurrency: StepTime | None = None  # the workload's concurrency (or the most that fits)
-    best_under_tpot: StepTime | None = None
+    best_under_tpot: StepTime | None = None  # the largest batch whose step is within the TPOT target
 
     @property
     def layout(self) -> Layout:
@@ -83,7 +83,7 @@ class StepModel:
         self.cfg = cfg
         self.T, self.A = cfg.tp_size, cfg.attn_tp_size
         self.G = cfg.dp_size if cfg.enable_dp_attention else 1  # groups in one instance
-        self.e = dtype_bytes(_torch_dtype(cfg.dtype))
+        self.e = dtype_bytes(cfg.torch_dtype)
         self.ranks_per_node = mem.layout.num_gpus // nnodes
         self.world_spans = self.ranks_per_node < self.T
         self.attn_spans = self.ranks_per_node < self.A
@@ -231,12 +231,6 @@ class StepModel:
         return sum(parts.values())
 
 
-def _torch_dtype(name: str):
-    from dpserve.engine.model_runner import DTYPES
-
-    return DTYPES[name]
-
-
 def default_batches(max_concurrency: int) -> list[int]:
     out, b = [], 1
     while b < max_concurrency:
@@ -274,10 +268,22 @@ def plan_layout(
             conc = max(1, round(c))
         plan.at_concurrency = sm.decode(conc, ctx)
         if wl.tpot_ms:
-            ok = [sm.decode(b, ctx) for b in default_batches(plan.max_concurrency)]
-            ok = [s for s in ok if s.seconds * 1e3 <= wl.tpot_ms]
-            plan.best_under_tpot = max(ok, key=lambda s: s.throughput) if ok else None
+            plan.best_under_tpot = largest_within(sm, ctx, wl.tpot_ms / 1e3, plan.max_concurrency)
     return plan
+
+
+def largest_within(sm: StepModel, ctx: float, limit_s: float, max_batch: int) -> StepTime | None:
+    """The step of the largest batch up to `max_batch` whose decode step takes at most `limit_s`
+    (None when batch 1 already takes longer), by bisection: the step time grows with the batch."""
+    lo, hi, best = 1, max_batch, None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        step = sm.decode(mid, ctx)
+        if step.seconds <= limit_s:
+            best, lo = step, mid + 1
+        else:
+            hi = mid - 1
+    return best
 
 
 @dataclass

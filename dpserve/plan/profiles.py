@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass, field
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 MiB = 2**20
+# A cached cpu profile older than this is measured again: the machine's load, BIOS and kernel drift.
+MAX_AGE = timedelta(days=7)
 
 
 @dataclass
@@ -38,6 +43,8 @@ class DeviceProfile:
     cores: int = 0  # CPU: cores the ranks share
     source: str = ""
     measured: dict = field(default_factory=dict)  # CPU: the raw measurements
+    # CPU: measured_at (ISO, UTC), load (1-minute load average then), cores, torch, cpu_model
+    provenance: dict = field(default_factory=dict)
 
     @property
     def is_cpu(self) -> bool:
@@ -89,19 +96,81 @@ def cpu_profile_path() -> Path:
 
 
 def get_profile(name: str, remeasure: bool = False) -> DeviceProfile:
+    """A GPU profile, or the cpu profile: the cached one unless `remeasure` or it is stale (see
+    `stale_reason`), else measured now and cached."""
     if name in GPU_PROFILES:
         return GPU_PROFILES[name]
     if name != "cpu":
         raise ValueError(f"unknown device profile {name!r}; one of {', '.join(PROFILES)}")
     path = cpu_profile_path()
     if path.exists() and not remeasure:
-        data = json.loads(path.read_text())
-        if data.get("cores") == os.cpu_count():
-            return DeviceProfile(**data)
+        try:
+            profile = DeviceProfile(**json.loads(path.read_text()))
+            why = stale_reason(profile.provenance)
+        except (ValueError, TypeError):  # unreadable, or written by another version of this class
+            why = "the cache is unreadable"
+        if why is None:
+            return profile
+        print(f"measuring the cpu profile again: {why}", file=sys.stderr)
+    load = os.getloadavg()[0]  # before measuring, which loads the machine itself
+    when = datetime.now(timezone.utc)
     profile = measure_cpu()
+    profile.provenance = {
+        "measured_at": when.isoformat(timespec="seconds"),
+        "load": round(load, 2),
+        **this_machine(),
+    }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(asdict(profile), indent=1))
     return profile
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def this_machine() -> dict:
+    """What a cpu profile depends on besides the load: another value means another machine."""
+    import torch
+
+    return {"cores": os.cpu_count(), "torch": torch.__version__, "cpu_model": _cpu_model()}
+
+
+def stale_reason(provenance: dict) -> str | None:
+    """Why a cached cpu profile must be measured again, or None when it can be used."""
+    if "measured_at" not in provenance:
+        return "the cache does not say when it was measured"
+    for key, value in this_machine().items():
+        if provenance.get(key) != value:
+            return f"it was measured with {key} {provenance.get(key)!r}, this machine has {value!r}"
+    age = datetime.now(timezone.utc) - datetime.fromisoformat(provenance["measured_at"])
+    if age > MAX_AGE:
+        return f"it is {age.days} days old (more than {MAX_AGE.days})"
+    return None
+
+
+def provenance_lines(profile: DeviceProfile) -> list[str]:
+    """Where a measured profile comes from, and a warning when it was measured on a busy machine."""
+    p = profile.provenance
+    if not p:
+        return []
+    when = datetime.fromisoformat(p["measured_at"]).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [
+        f"cpu profile measured {when}, load {p['load']:.1f} on {p['cores']} cores; "
+        "--remeasure to measure again"
+    ]
+    if p["load"] > p["cores"] / 2:
+        lines.append(
+            f"warning: the machine was busy when the cpu profile was measured (load {p['load']:.1f} > half "
+            "its cores): predicted step times may be too long; --remeasure on a quiet machine"
+        )
+    return lines
 
 
 def _median_time(fn, reps: int = 7) -> float:
@@ -202,7 +271,7 @@ def measure_gloo(world: int = 2) -> dict:
     alpha from the small message (per ring step), beta from the large one."""
     import multiprocessing as mp
 
-    from dpserve.engine.workers import free_port
+    from dpserve.engine.worker_pool import free_port
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()

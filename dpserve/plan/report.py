@@ -1,9 +1,10 @@
 """The planner's outputs: a table (rich, plain or markdown), recommendations, --json, --plot.
 
-JSON schema `dpserve.plan/1` (stable; docs/tuning.md's tables use these fields):
+JSON schema `dpserve.plan/1` (stable, grows only by new fields; docs/tuning.md's tables use these fields):
 
     schema, model, model_path, arch, num_gpus, nnodes
-    profile: name, device, source, memory_bytes, mem_bw, flops, intra_bw, intra_alpha, inter_bw, inter_alpha
+    profile: name, device, source, memory_bytes, mem_bw, flops, intra_bw, intra_alpha, inter_bw, inter_alpha,
+        provenance: {measured_at (ISO, UTC), load, cores, torch, cpu_model} of a measured (cpu) profile, else {}
     workload: input_len, output_len, concurrency, request_rate, tpot_ms
     layouts[]: name, flags, tp, dp, dp_attention, attn_tp, valid, fits, reason (null when it runs),
         weight_bytes_per_rank, kv_bytes_per_token, activation_bytes, kv_budget_bytes,
@@ -11,8 +12,11 @@ JSON schema `dpserve.plan/1` (stable; docs/tuning.md's tables use these fields):
         prefill_chunk_tokens, prefill_chunk_ms,
         decode[]: batch, step_ms, tokens_per_s, padding_mode, mlp_rows, parts_ms{attention, mlp, lm_head,
                   collectives, fixed}
-        at_concurrency, best_under_tpot: a decode entry or null
-    recommendations: lowest_latency, highest_throughput, most_kv: {name, flags, why} or null
+        at_concurrency: a decode entry (the table's @conc columns) or null
+        best_under_tpot: a decode entry (the table's @TPOT columns): the largest batch, up to
+            max_concurrency, whose step is within tpot_ms; null without a target or when batch 1 misses it
+    recommendations: lowest_latency, highest_throughput, most_kv: {name, flags, why} or null;
+        lowest_latency and highest_throughput also carry step: the decode entry `why` quotes
 """
 
 from __future__ import annotations
@@ -38,33 +42,52 @@ def _step(s: StepTime | None) -> dict | None:
     }
 
 
-def _runs(lp: LayoutPlan) -> bool:
+def runs(lp: LayoutPlan) -> bool:
     return lp.mem.valid and lp.max_concurrency > 0
 
 
-def recommendations(plan: Plan) -> dict:
-    ok = [lp for lp in plan.layouts if _runs(lp)]
+def reason(lp: LayoutPlan) -> str:
+    """Why a layout does not run (the engine's reason, or the planner's)."""
+    return lp.mem.error or "no request of this workload fits the KV pool"
 
-    def entry(lp: LayoutPlan | None, why: str) -> dict | None:
-        return None if lp is None else {"name": lp.layout.name, "flags": lp.layout.flags, "why": why}
+
+# One format per figure, shared by the table and the recommendations so that they quote alike.
+def _ms(s: StepTime) -> str:
+    return f"{s.seconds * 1e3:.2f}"
+
+
+def _tps(s: StepTime) -> str:
+    return f"{s.throughput:.0f}"
+
+
+def recommendations(plan: Plan) -> dict:
+    ok = [lp for lp in plan.layouts if runs(lp)]
+
+    def entry(lp: LayoutPlan | None, why: str, step: StepTime | None = None) -> dict | None:
+        if lp is None:
+            return None
+        out = {"name": lp.layout.name, "flags": lp.layout.flags, "why": why}
+        return out | ({"step": _step(step)} if step else {})
 
     if not ok:
         return {"lowest_latency": None, "highest_throughput": None, "most_kv": None}
     lat = min(ok, key=lambda lp: lp.decode[0].seconds)
-    rec = {"lowest_latency": entry(lat, f"{lat.decode[0].seconds * 1e3:.2f} ms per decode step at batch 1")}
-    if plan.workload.tpot_ms:
-        cands = [lp for lp in ok if lp.best_under_tpot is not None]
-        best = max(cands, key=lambda lp: lp.best_under_tpot.throughput, default=None)
-        why = (
-            f"{best.best_under_tpot.throughput:.0f} tok/s at batch {best.best_under_tpot.batch} within "
-            f"TPOT {plan.workload.tpot_ms:g} ms"
-            if best
-            else ""
+    first = lat.decode[0]
+    rec = {"lowest_latency": entry(lat, f"{_ms(first)} ms per decode step at batch {first.batch}", first)}
+    tpot = plan.workload.tpot_ms
+    if tpot:
+        best = max(
+            (lp for lp in ok if lp.best_under_tpot),
+            key=lambda lp: lp.best_under_tpot.throughput,
+            default=None,
         )
+        step = best.best_under_tpot if best else None
     else:
         best = max(ok, key=lambda lp: lp.at_concurrency.throughput)
-        why = f"{best.at_concurrency.throughput:.0f} tok/s at concurrency {best.at_concurrency.batch}"
-    rec["highest_throughput"] = entry(best, why)
+        step = best.at_concurrency
+    within = f" within TPOT {tpot:g} ms" if tpot else ""
+    why = f"{_tps(step)} tok/s at concurrency {step.batch} ({_ms(step)} ms per step){within}" if step else ""
+    rec["highest_throughput"] = entry(best, why, step)
     kv = max(ok, key=lambda lp: (lp.mem.kv_tokens_total, -lp.decode[0].seconds))
     rec["most_kv"] = entry(kv, f"{kv.mem.kv_tokens_total} KV tokens over all GPUs")
     return rec
@@ -92,7 +115,7 @@ def to_json(plan: Plan) -> dict:
                 "intra_alpha",
             )
         }
-        | {"inter_bw": p.inter_bw, "inter_alpha": p.inter_alpha},
+        | {"inter_bw": p.inter_bw, "inter_alpha": p.inter_alpha, "provenance": p.provenance},
         "workload": {
             k: getattr(plan.workload, k)
             for k in ("input_len", "output_len", "concurrency", "request_rate", "tpot_ms")
@@ -131,47 +154,64 @@ def to_json(plan: Plan) -> dict:
     return out
 
 
-HEADERS = (
-    "layout",
-    "weights/rank GiB",
-    "KV B/token/rank",
-    "KV tokens/group",
-    "KV tokens total",
-    "max conc",
-    "step ms @1",
-    "step ms @conc",
-    "tok/s @conc",
-    "mode @conc",
-    "prefill chunk ms",
-)
+def _shows_concurrency(plan: Plan) -> bool:
+    """The @conc columns: without a TPOT target, or when the workload names a load to plan at."""
+    wl = plan.workload
+    return not wl.tpot_ms or bool(wl.concurrency or wl.request_rate)
+
+
+def headers(plan: Plan) -> list[str]:
+    cols = ["layout", "weights/rank GiB", "KV B/token/rank", "KV tokens/group", "KV tokens total"]
+    cols += ["max conc", "step ms @1"]
+    if _shows_concurrency(plan):
+        cols += ["step ms @conc", "tok/s @conc", "mode @conc"]
+    if plan.workload.tpot_ms:  # the largest concurrency within the target, and what it gives
+        cols += ["conc @TPOT", "step ms @TPOT", "tok/s @TPOT", "mode @TPOT"]
+    return [*cols, "prefill chunk ms"]
+
+
+def _ranges(values: list[int]) -> str:
+    """[3, 5, 6, 7, 9, 10] -> '3, 5-7, 9, 10'."""
+    spans: list[list[int]] = []
+    for v in sorted(values):
+        if spans and v == spans[-1][1] + 1:
+            spans[-1][1] = v
+        else:
+            spans.append([v, v])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" if b > a + 1 else f"{a}, {b}" for a, b in spans)
 
 
 def rows(plan: Plan) -> tuple[list[list[str]], list[tuple[str, str]]]:
+    """The table's rows, and (what, why) of the layouts that cannot run: one entry each, except
+    DP attention layouts whose dp does not divide tp, summarised in one entry per tp."""
     table, invalid = [], []
+    indivisible: dict[int, list[int]] = {}
     for lp in plan.layouts:
-        m = lp.mem
-        if m.cfg is None:
-            invalid.append((lp.layout.name, m.error))
+        m, lay = lp.mem, lp.layout
+        if m.cfg is None and lay.dp_attention and lay.tp % lay.dp:
+            indivisible.setdefault(lay.tp, []).append(lay.dp)
             continue
-        if not _runs(lp):
-            invalid.append((lp.layout.name, m.error or "no request of this workload fits the KV pool"))
+        if not runs(lp):
+            invalid.append((lay.name, reason(lp)))
             continue
-        c = lp.at_concurrency
-        table.append(
-            [
-                lp.layout.name,
-                f"{m.weight_bytes / GiB:.2f}",
-                f"{m.kv_bytes_per_token}",
-                f"{m.kv_tokens_per_group}",
-                f"{m.kv_tokens_total}",
-                f"{lp.max_concurrency}",
-                f"{lp.decode[0].seconds * 1e3:.2f}",
-                f"{c.seconds * 1e3:.2f} (b={c.batch})",
-                f"{c.throughput:.0f}",
-                c.mode,
-                f"{lp.prefill_chunk_s * 1e3:.1f}",
-            ]
-        )
+        row = [
+            lay.name,
+            f"{m.weight_bytes / GiB:.2f}",
+            f"{m.kv_bytes_per_token}",
+            f"{m.kv_tokens_per_group}",
+            f"{m.kv_tokens_total}",
+            f"{lp.max_concurrency}",
+            _ms(lp.decode[0]),
+        ]
+        if _shows_concurrency(plan):
+            c = lp.at_concurrency
+            row += [f"{_ms(c)} (b={c.batch})", _tps(c), c.mode]
+        if plan.workload.tpot_ms:
+            t = lp.best_under_tpot  # None: batch 1 already misses the target
+            row += [str(t.batch), _ms(t), _tps(t), t.mode] if t else ["-"] * 4
+        table.append([*row, f"{lp.prefill_chunk_s * 1e3:.1f}"])
+    for tp, dps in indivisible.items():
+        invalid.append((f"dp {_ranges(dps)}", f"tp {tp} must be divisible by dp (attention TP = tp / dp)"))
     return table, invalid
 
 
@@ -188,7 +228,8 @@ def header_line(plan: Plan) -> str:
 
 def render_markdown(plan: Plan) -> str:
     table, invalid = rows(plan)
-    lines = [header_line(plan), "", "| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
+    cols = headers(plan)
+    lines = [header_line(plan), "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(r) + " |" for r in table]
     if invalid:
         lines += ["", "Not possible:", ""] + [f"- `{n}`: {why}" for n, why in invalid]
@@ -208,7 +249,7 @@ def render_text(plan: Plan, use_rich: bool = True) -> str:
         return render_markdown(plan)
     table, invalid = rows(plan)
     t = Table(title=header_line(plan))
-    for h in HEADERS:
+    for h in headers(plan):
         t.add_column(h, justify="left" if h == "layout" else "right")
     for r in table:
         t.add_row(*r)
@@ -232,7 +273,7 @@ def plot(plan: Plan, path: str) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 5))
     for lp in plan.layouts:
-        if not _runs(lp) or not lp.decode:
+        if not runs(lp) or not lp.decode:
             continue
         xs = [s.throughput for s in lp.decode]
         ys = [s.seconds * 1e3 for s in lp.decode]

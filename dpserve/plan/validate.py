@@ -28,9 +28,11 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for r in runs:
         a = r["args"]
-        layout = Layout(a["tp"], a["dp"], a["enable_dp_attention"])
+        layout = Layout(r["tp_size"], r["dp_size"], a["enable_dp_attention"])
         wl = Workload(a["input_len"], a["output_len"], batch_sizes=[r["batch_size"]])
-        kwargs = {k: a[k] for k in ("kv_cache_memory_gb", "max_total_tokens", "dp_padding_mode", "dtype")}
+        kwargs = {k: a[k] for k in ("kv_cache_memory_gb", "max_total_tokens", "dp_padding_mode")}
+        # The dtype the run used; older files lack it and ran float32 (what auto meant then).
+        kwargs["dtype"] = r.get("dtype", "float32")
         plan = make_plan(a["model_path"], profile, layout.num_gpus, wl, kwargs, layouts=[layout])
         step = plan.layouts[0].decode[0]
         measured = r["median_decode_latency"]

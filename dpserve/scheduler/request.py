@@ -31,6 +31,7 @@ class Req:
     generator: torch.Generator | None = None
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per token, if asked
     # While admitted (running):
     row: int = 0  # request-to-slot table row (0: not admitted)
     prefill_len: int = 0  # tokens to prefill since admission: prompt + what it generated before
@@ -84,10 +85,18 @@ def check_request(
     bad = next((t for t in params.stop_token_ids if not isinstance(t, int) or not 0 <= t < vocab_size), None)
     if bad is not None:
         raise ValueError(f"stop token id {bad!r} is outside the vocabulary [0, {vocab_size})")
+    bad = next((t for t in params.logit_bias if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"logit_bias token id {bad!r} is outside the vocabulary [0, {vocab_size})")
     prompt_len = len(input_ids)
     if prompt_len >= context_len:
         raise ValueError(
             f"the prompt has {prompt_len} tokens, but the model's context length is {context_len}"
+        )
+    if prompt_len + params.max_new_tokens > context_len:
+        raise ValueError(
+            f"the prompt has {prompt_len} tokens and max_new_tokens is {params.max_new_tokens}: "
+            f"{prompt_len + params.max_new_tokens} tokens, but the model's context length is {context_len}"
         )
     need = max_kv_len(prompt_len, params, context_len)
     if need > kv_capacity:

@@ -1,4 +1,4 @@
-"""Continuous batching for one DP group, run by the group's attn_tp_rank 0 (design section 5).
+"""Continuous batching for one DP group, run by the group's attn_tp_rank 0 (docs/design.md, section 5).
 
 Memory is taken on demand. A request is admitted when its uncached prompt plus an estimate of
 its decode tokens fits (`new_token_ratio` of what it may still generate: it decays while memory
@@ -27,11 +27,12 @@ from collections import deque
 
 import torch
 
-from dpserve.kvcache.pool import SlotAllocator
+from dpserve.kvcache.allocator import SlotAllocator
 from dpserve.kvcache.radix_cache import RadixTree
-from dpserve.scheduler.plan import DraftPlan, DraftReq, ReqStep, StepPlan
 from dpserve.scheduler.request import GenerateRequest, Req, check_request, max_kv_len
 from dpserve.speculative.ngram import propose_ngram
+from dpserve.step.records import BatchReq, DraftBatch, DraftReq, GroupBatch
+from dpserve.worker.sampler import Penalties, TokenCounts
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ class Scheduler:
     ):
         self.dp_rank, self.device, self.num_drafts = dp_rank, torch.device(device), num_drafts
         self.nextn = num_drafts > 0 and speculative_algorithm == "NEXTN"
-        self.draft_plan = DraftPlan()  # NEXTN: the MTP forwards after the last step
+        self.draft_batch = DraftBatch()  # NEXTN: the MTP forwards after the last step
         self._drafting: list[Req] = []  # its requests that draft, in its order
         self.kv_capacity = kv_capacity
         self.max_running, self.chunk_size = max_running, chunk_size
@@ -71,11 +72,12 @@ class Scheduler:
         self.tree = RadixTree() if radix_cache else None
         self.free_rows = list(range(max_running, 0, -1))  # row 0 is the padding row
         self.generator = torch.Generator(self.device).manual_seed(seed + dp_rank)
+        self.token_counts = TokenCounts(vocab_size, max_running, self.device)  # for penalties
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
-        self._step_reqs: list[Req] = []  # the last plan's requests, in its order
-        self._plan = StepPlan()  # the last plan
+        self._step_reqs: list[Req] = []  # the last batch's requests, in its order
+        self._batch = GroupBatch()  # the last batch
         self._prefilled: list[Req] = []  # those of them that prefilled
         self.counters = dict.fromkeys(
             (
@@ -91,6 +93,7 @@ class Scheduler:
             0,
         )
         self.step_retractions = 0  # in the last schedule() call
+        self.admitted: list[tuple[str, int]] = []  # (rid, cached prompt tokens) first admitted by it
 
     # --- requests in and out ---------------------------------------------------------------------
 
@@ -114,15 +117,15 @@ class Scheduler:
 
     # --- scheduling ------------------------------------------------------------------------------
 
-    def schedule(self) -> StepPlan:
-        self.step_retractions = 0
+    def schedule(self) -> GroupBatch:
+        self.step_retractions, self.admitted = 0, []
         decoding = self._make_room([r for r in self.running if r.prefill_done])
-        plan, self._step_reqs, self._prefilled = StepPlan(), [], []
-        self._plan = plan
-        self.draft_plan, self._drafting = DraftPlan(), []
+        batch, self._step_reqs, self._prefilled = GroupBatch(), [], []
+        self._batch = batch
+        self.draft_batch, self._drafting = DraftBatch(), []
         budget = self.chunk_size
         for req in [r for r in self.running if not r.prefill_done]:  # a chunked prompt continues first
-            budget -= self._add_chunk(plan, req, budget, reserved=len(decoding))
+            budget -= self._add_chunk(batch, req, budget, reserved=len(decoding))
         while (
             self.waiting
             and budget > 0
@@ -130,31 +133,31 @@ class Scheduler:
             and self._admit(self.waiting[0], reserved=len(decoding))
         ):
             req = self.waiting.popleft()
-            budget -= self._add_chunk(plan, req, budget, reserved=len(decoding), prefix=list(req.slots))
+            budget -= self._add_chunk(batch, req, budget, reserved=len(decoding), prefix=list(req.slots))
         spare = self.available - len(decoding)
         for req in decoding:
             req.drafts = self._propose(req, spare)
             spare -= len(req.drafts)
             slots = self._alloc(1 + len(req.drafts))
             tokens = [req.output_ids[-1], *req.drafts]
-            plan.reqs.append(
-                ReqStep(req.row, req.kv_len, tokens, slots, sample=True, verify=bool(req.drafts))
+            batch.reqs.append(
+                BatchReq(req.row, req.kv_len, tokens, slots, sample=True, verify=bool(req.drafts))
             )
             self._step_reqs.append(req)
             req.slots += slots
             req.spec_verify_ct += self.num_drafts > 0
             self.counters["spec_verify_steps"] += self.num_drafts > 0
         if self._prefilled:
-            plan.mode = "extend"
+            batch.mode = "extend"
         elif decoding:
-            plan.mode = "verify" if any(r.verify for r in plan.reqs) else "decode"
+            batch.mode = "verify" if any(r.verify for r in batch.reqs) else "decode"
         if self.step_retractions:
             self.new_token_ratio = min(
                 1.0, max(INIT_NEW_TOKEN_RATIO, self.new_token_ratio + NEW_TOKEN_RATIO_STEP_UP)
             )
-        elif plan.reqs:
+        elif batch.reqs:
             self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
-        return plan
+        return batch
 
     def _propose(self, req: Req, spare: int) -> list[int]:
         """Draft tokens for `req`: no more than the spare slots, nor than it may still generate
@@ -165,6 +168,13 @@ class Scheduler:
         drafts = req.proposed[:n] if self.nextn else propose_ngram(req.fill_ids, n)
         self.counters["spec_draft_tokens"] += len(drafts)
         return drafts
+
+    def flush_cache(self) -> None:
+        """Evicts every prefix-cache entry no running request holds."""
+        if self.tree is not None:
+            freed = self.tree.evict(self.tree.evictable)
+            self.allocator.free(freed)
+            self.counters["cache_evicted_tokens"] += len(freed)
 
     @property
     def available(self) -> int:
@@ -216,14 +226,17 @@ class Scheduler:
             return False
         req.row = self.free_rows.pop()
         req.node, req.slots, req.cached_len = node, list(cached), len(cached)
+        if req.params.penalized:
+            self.token_counts.acquire(req.rid, req.input_ids, req.output_ids)
         if req.cached_tokens is None:
             req.cached_tokens = min(len(cached), len(req.input_ids))
+            self.admitted.append((req.rid, req.cached_tokens))
         self.counters["cache_hit_tokens"] += len(cached)
         self.running.append(req)
         return True
 
     def _add_chunk(
-        self, plan: StepPlan, req: Req, budget: int, reserved: int, prefix: list[int] | None = None
+        self, batch: GroupBatch, req: Req, budget: int, reserved: int, prefix: list[int] | None = None
     ) -> int:
         """Adds up to `budget` of `req`'s prompt tokens, as many as memory allows beside the
         `reserved` decode slots of this step; returns the tokens added. `prefix`: the cached slots
@@ -234,7 +247,9 @@ class Scheduler:
         start = req.kv_len
         slots = self._alloc(n)
         done = start + n == req.prefill_len
-        plan.reqs.append(ReqStep(req.row, start, req.fill_ids[start : start + n], slots, done, prefix or []))
+        batch.reqs.append(
+            BatchReq(req.row, start, req.fill_ids[start : start + n], slots, done, prefix or [])
+        )
         self._step_reqs.append(req)
         self._prefilled.append(req)
         req.slots += slots
@@ -276,6 +291,7 @@ class Scheduler:
         else:
             self.allocator.free(req.slots)
         self.free_rows.append(req.row)
+        self.token_counts.release(req.rid)
         req.row, req.slots, req.node, req.cached_len, req.dup_slots = 0, [], None, 0, []
         req.proposed = []
 
@@ -292,35 +308,57 @@ class Scheduler:
 
     # --- after the forward -----------------------------------------------------------------------
 
-    def sampling_inputs(self) -> tuple[list, list[torch.Generator], list[list[int]]]:
-        """Sampling parameters, generators and drafts of the last plan's requests that sample."""
+    def sampling_inputs(self) -> tuple[list, list[torch.Generator], list[list[int]], Penalties | None]:
+        """Sampling parameters, generators, drafts and penalties of the last batch's requests that
+        sample (penalties: None when none of them uses a penalty or a min_new_tokens floor)."""
         reqs = self._sampled()
+        min_left = [max(0, r.params.min_new_tokens - len(r.output_ids)) for r in reqs]
+        penalties = None
+        if any(min_left) or any(r.params.penalized for r in reqs):
+            penalties = Penalties(
+                self.token_counts,
+                [self.token_counts.rows.get(r.rid, -1) for r in reqs],
+                min_left,
+                [self._stop_ids(r) if left else [] for r, left in zip(reqs, min_left, strict=True)],
+            )
         return (
             [r.params for r in reqs],
             [r.generator or self.generator for r in reqs],
             [r.drafts for r in reqs],
+            penalties,
         )
+
+    def _stop_ids(self, req: Req) -> list[int]:
+        """The tokens that would end the request (min_new_tokens keeps them from being sampled)."""
+        eos = set() if req.params.ignore_eos else self.eos_ids
+        return sorted(eos | set(req.params.stop_token_ids))
 
     def _sampled(self) -> list[Req]:
         return [r for r in self._step_reqs if r.prefill_done]
 
     def process_samples(
-        self, tokens: list[list[int]], logprobs: list[list[float]]
-    ) -> tuple[list[tuple[str, int, float]], list[dict]]:
+        self,
+        tokens: list[list[int]],
+        logprobs: list[list[float]],
+        top_logprobs: list[list[list[tuple[int, float]]]] | None = None,
+    ) -> tuple[list[tuple[str, int, float, list[tuple[int, float]]]], list[dict]]:
         """Appends each sampling request's new tokens (one, or a verify step's accepted drafts and the
-        next token), in order and none past a finish; frees the KV of rejected drafts; returns the
-        tokens as (rid, token, logprob) and the outputs of the requests that finished. Freshly
-        prefilled prompts go into the prefix cache."""
+        next token), in order and none past a finish; frees the KV of rejected drafts; counts them for
+        the penalties of requests still running; returns the tokens as (rid, token, logprob, top
+        alternatives) and the outputs of the requests that finished. Freshly prefilled prompts go
+        into the prefix cache."""
         if self.tree is not None:
             for req in self._prefilled:
                 self._cache(req)
-        new, finished = [], []
-        for req, toks, lps in zip(self._sampled(), tokens, logprobs, strict=True):
+        new, finished, counted = [], [], []
+        top_logprobs = top_logprobs or [[[] for _ in t] for t in tokens]
+        for req, toks, lps, tops in zip(self._sampled(), tokens, logprobs, top_logprobs, strict=True):
             reason, emitted = None, 0
-            for tok, lp in zip(toks, lps, strict=True):
+            for tok, lp, top in zip(toks, lps, tops, strict=True):
                 req.output_ids.append(tok)
                 req.logprobs.append(lp)
-                new.append((req.rid, tok, lp))
+                req.top_logprobs.append(top)
+                new.append((req.rid, tok, lp, top))
                 emitted += 1
                 reason = self._finish_reason(req, tok)
                 if reason is not None:
@@ -334,25 +372,28 @@ class Scheduler:
             req.drafts = []
             if reason is not None:
                 finished.append(self._finish(req, reason))
+            elif req.rid in self.token_counts.rows:
+                counted += [(req.rid, tok) for tok in req.output_ids[-emitted:]]
+        self.token_counts.add([rid for rid, _ in counted], [tok for _, tok in counted])
         self.counters["generated_tokens"] += len(new)
         if self.nextn:
-            self._plan_drafts()
+            self._make_draft_batch()
         return new, finished
 
-    def _plan_drafts(self) -> None:
+    def _make_draft_batch(self) -> None:
         """The MTP rows after this step: every position it kept, paired with the token after it."""
-        self.draft_plan, self._drafting, offset = DraftPlan(), [], 0
-        for req, step in zip(self._step_reqs, self._plan.reqs, strict=True):
+        self.draft_batch, self._drafting, offset = DraftBatch(), [], 0
+        for req, step in zip(self._step_reqs, self._batch.reqs, strict=True):
             kept = min(len(step.tokens), req.seq_len - 1 - step.start)
             next_tokens = req.fill_ids[step.start + 1 : step.start + 1 + kept]
             draft = req.row > 0 and req.prefill_done  # running and decoding next
-            self.draft_plan.reqs.append(DraftReq(step.row, step.start, offset, next_tokens, draft))
+            self.draft_batch.reqs.append(DraftReq(step.row, step.start, offset, next_tokens, draft))
             if draft:
                 self._drafting.append(req)
             offset += len(step.tokens)
 
     def set_drafts(self, drafts: list[list[int]]) -> None:
-        """NEXTN: the chains the MTP layer drafted for `draft_plan`'s drafting requests, in order."""
+        """NEXTN: the chains the MTP layer drafted for `draft_batch`'s drafting requests, in order."""
         for req, chain in zip(self._drafting, drafts, strict=True):
             req.proposed = chain
 
@@ -395,6 +436,7 @@ class Scheduler:
             "output_ids": list(req.output_ids),
             "return_logprob": req.return_logprob,
             "output_token_logprobs": list(req.logprobs) if req.return_logprob else [],
+            "output_top_logprobs": list(req.top_logprobs) if req.return_logprob else [],
             "finish_reason": reason,
             "prompt_tokens": len(req.input_ids),
             "completion_tokens": len(req.output_ids),

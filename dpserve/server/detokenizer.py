@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dpserve.sampling_params import SamplingParams
+
 
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas.
@@ -9,12 +11,16 @@ class IncrementalDetokenizer:
     Decoding a window that starts a few tokens back keeps the spacing right for tokenizers whose
     output depends on the previous token; text that ends in an incomplete UTF-8 character is held
     until the next token completes it. Text that could still become a stop string is held back
-    too, so a client never sees (part of) a stop string.
+    too, so a client never sees (part of) a stop string. The request's parameters say whether
+    special tokens are skipped (and spaced, for tokenizers that support it), whether the matched
+    stop string stays at the end of the text (`no_stop_trim`), and how many tokens come before stop
+    strings are looked for (`min_new_tokens`).
     """
 
-    def __init__(self, tokenizer, stop: list[str]):
+    def __init__(self, tokenizer, stop: list[str], params: SamplingParams | None = None):
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
+        self.params = params or SamplingParams()
         self.ids: list[int] = []
         self.text = ""
         self.sent = 0  # characters of `text` already handed out
@@ -23,7 +29,12 @@ class IncrementalDetokenizer:
         self._read = 0
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        p = self.params
+        return self.tokenizer.decode(
+            ids,
+            skip_special_tokens=p.skip_special_tokens,
+            spaces_between_special_tokens=p.spaces_between_special_tokens,
+        )
 
     def add(self, tokens: list[int]) -> None:
         """Appends tokens; sets `matched_stop` and truncates the text when a stop string appears."""
@@ -36,7 +47,8 @@ class IncrementalDetokenizer:
             if len(after) > len(before) and not after.endswith("\ufffd"):
                 self.text += after[len(before) :]
                 self._prefix, self._read = self._read, len(self.ids)
-                self._check_stop(len(after) - len(before))
+                if len(self.ids) >= self.params.min_new_tokens:
+                    self._check_stop(len(after) - len(before))
 
     def _check_stop(self, added: int) -> None:
         longest = max((len(s) for s in self.stop), default=0)
@@ -44,7 +56,8 @@ class IncrementalDetokenizer:
         hits = [(i, s) for s in self.stop if (i := self.text.find(s, start)) >= 0]
         if hits:
             pos, stop = min(hits)
-            self.text, self.matched_stop = self.text[:pos], stop
+            end = pos + len(stop) if self.params.no_stop_trim else pos
+            self.text, self.matched_stop = self.text[:end], stop
 
     def delta(self, final: bool) -> str:
         """The text not handed out yet; when not final, minus a tail that may start a stop string."""

@@ -73,15 +73,47 @@ def create_app(tm: TokenizerManager, model_name: str) -> FastAPI:
         return PlainTextResponse("ok")
 
     @app.get("/get_server_info")
+    @app.get("/server_info")  # SGLang's newer name, which its router asks first
     async def get_server_info():
-        pids = {p.name.removeprefix("dpserve-rank"): p.pid for p in tm.workers.procs}
+        pids = {p.name.removeprefix("dpserve-rank"): p.pid for p in tm.front.workers.procs}
         return {
             **tm.info,
             "model_path": tm.cfg.model_path,
             "served_model_name": model_name,
             "worker_pids": pids,  # this node's ranks
-            **tm.metrics(),
+            **tm.front.metrics(),
         }
+
+    @app.get("/get_model_info")
+    @app.get("/model_info")
+    async def get_model_info():
+        return {
+            "model_path": tm.cfg.model_path,
+            "tokenizer_path": tm.cfg.model_path,
+            "served_model_name": model_name,
+            "is_generation": True,
+            "model_type": tm.model_cfg.hf.model_type,
+            "architectures": [tm.model_cfg.arch],
+            "max_context_length": tm.model_cfg.context_len,
+        }
+
+    @app.get("/get_load")
+    async def get_load():
+        """SGLang's load report, per DP group (sglang-router sums num_tokens over them)."""
+        return [
+            {
+                "dp_rank": g["dp_rank"],
+                "num_reqs": g["inflight_requests"],
+                "num_waiting_reqs": g["queued"],
+                "num_tokens": g["outstanding_tokens"],  # prompt tokens to prefill + decode budgets left
+            }
+            for g in tm.front.metrics()["dp_ranks"]
+        ]
+
+    @app.post("/flush_cache")
+    async def flush_cache():
+        tm.front.flush_cache()
+        return PlainTextResponse("Cache flushed: every prefix-cache entry no running request holds.")
 
     @app.get("/metrics")
     async def metrics():
@@ -101,17 +133,21 @@ def create_app(tm: TokenizerManager, model_name: str) -> FastAPI:
 
     @app.post("/generate")
     async def generate(body: GenerateRequestBody, request: Request):
+        if body.model is not None:
+            openai.check_model(body.model)
         return await native_generate(tm, body, request)
 
     return app
 
 
-def _native_params(d: dict | None) -> tuple[SamplingParams, list[str]]:
+def _native_params(d: dict | None, body: GenerateRequestBody) -> tuple[SamplingParams, list[str]]:
     d = dict(d or {})
     stop = d.pop("stop", None) or []
     stop = [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
         raise RequestError("sampling_params.stop must be a string or a list of strings")
+    if body.return_logprob and body.top_logprobs_num:
+        d["top_logprobs_num"] = body.top_logprobs_num
     try:
         return SamplingParams.from_dict(d), stop
     except (TypeError, ValueError) as e:
@@ -135,7 +171,7 @@ async def native_generate(tm: TokenizerManager, body: GenerateRequestBody, reque
     )
     subs = []
     for ids, raw in zip(prompts, per_prompt, strict=True):
-        params, stop = _native_params(raw)
+        params, stop = _native_params(raw, body)
         subs.append(Submission(list(ids), params, stop, body.return_logprob, body.data_parallel_rank))
     for sub in subs:
         tm.check(sub)
@@ -143,11 +179,9 @@ async def native_generate(tm: TokenizerManager, body: GenerateRequestBody, reque
     if body.stream:
         if not single:
             raise RequestError("stream=true takes a single prompt")
-        return StreamingResponse(
-            _native_stream(streams[0], body.return_logprob), media_type="text/event-stream"
-        )
+        return StreamingResponse(_native_stream(tm, streams[0], body), media_type="text/event-stream")
     results = await collect(request, streams)
-    outs = [_native_output(chunks, body.return_logprob) for chunks in results]
+    outs = [_native_output(tm, chunks, body) for chunks in results]
     aborted = [o for o in outs if o["meta_info"]["finish_reason"]["type"] == "abort"]
     if aborted:
         raise RequestError(
@@ -156,7 +190,7 @@ async def native_generate(tm: TokenizerManager, body: GenerateRequestBody, reque
     return outs[0] if single else outs
 
 
-def _native_output(chunks: list[Chunk], with_logprobs: bool) -> dict:
+def _native_output(tm: TokenizerManager, chunks: list[Chunk], body: GenerateRequestBody) -> dict:
     last = chunks[-1]
     meta = {
         "prompt_tokens": last.prompt_tokens,
@@ -166,8 +200,18 @@ def _native_output(chunks: list[Chunk], with_logprobs: bool) -> dict:
         "finish_reason": last.finish_reason,
         "dp_rank": last.dp_rank,
     }
-    if with_logprobs:
-        meta["output_token_logprobs"] = [lp for c in chunks for lp in c.logprobs]
+    if body.return_logprob:
+        # SGLang's entries: [logprob, token id, its text (return_text_in_logprobs) or null].
+        def entry(token: int, logprob: float) -> list:
+            return [logprob, token, tm.tokenizer.decode([token]) if body.return_text_in_logprobs else None]
+
+        meta["output_token_logprobs"] = [
+            entry(t, lp) for c in chunks for t, lp in zip(c.token_ids, c.logprobs, strict=True)
+        ]
+        if body.top_logprobs_num:
+            meta["output_top_logprobs"] = [
+                [entry(t, lp) for t, lp in top] for c in chunks for top in c.top_logprobs
+            ]
     return {
         "text": "".join(c.text for c in chunks),
         "output_ids": [t for c in chunks for t in c.token_ids],
@@ -175,10 +219,10 @@ def _native_output(chunks: list[Chunk], with_logprobs: bool) -> dict:
     }
 
 
-async def _native_stream(stream, with_logprobs: bool):
+async def _native_stream(tm: TokenizerManager, stream, body: GenerateRequestBody):
     # As SGLang does, every event carries the whole text so far.
     seen: list[Chunk] = []
     async for _, chunk in merge([stream]):
         seen.append(chunk)
-        yield sse(_native_output(seen, with_logprobs))
+        yield sse(_native_output(tm, seen, body))
     yield sse("[DONE]")

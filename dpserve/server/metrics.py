@@ -59,8 +59,13 @@ PER_DP_RANK = [
         "Mean tokens per speculative verify step (accepted drafts + 1)",
         "spec_accept_length",
     ),
-    ("steps_eager", "counter", "Forward steps run eagerly (no captured graph)", "steps_eager"),
-    ("steps_graph", "counter", "Forward steps run as captured graphs (padded buckets on CPU)", "steps_graph"),
+    ("steps_eager", "counter", "Forward steps run unpadded and eagerly", "steps_eager"),
+    (
+        "steps_padded",
+        "counter",
+        "Forward steps padded to a decode bucket (CUDA graph replays on GPU, padded eager steps on CPU)",
+        "steps_padded",
+    ),
 ]
 
 FRONT_END = [
@@ -113,6 +118,14 @@ class ServerMetrics:
             "Seconds per output token after the first, per finished request",
             registry=self.registry,
             buckets=LATENCY_BUCKETS,
+        )
+
+        self.expert_imbalance = Histogram(
+            "dpserve_expert_imbalance",
+            "Per MoE step: rows of the busiest expert-parallel rank over the mean rank's (1: balanced)",
+            ["dp_rank"],
+            registry=self.registry,
+            buckets=(1.0, 1.1, 1.25, 1.5, 2, 3, 4, 8, float("inf")),
         )
 
     def render(self) -> bytes:

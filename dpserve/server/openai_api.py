@@ -6,6 +6,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
+from functools import partial
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -52,6 +53,10 @@ class OpenAIServing:
         subs = []
         for ids in prompts:
             max_new = max_tokens if max_tokens is not None else self.tm.default_max_tokens(len(ids))
+            if req.min_tokens > max_new:
+                raise RequestError(
+                    f"min_tokens={req.min_tokens} is more than the {max_new} new tokens allowed"
+                )
             for j in range(req.n):
                 subs.append(
                     Submission(
@@ -75,12 +80,24 @@ class OpenAIServing:
             raise RequestError("prompt is empty")
         ids = [p if isinstance(p, list) else await asyncio.to_thread(self.tm.tokenize, p) for p in prompt]
         subs = self._submissions(req, ids, req.max_tokens, req.logprobs is not None)
-        return await self._respond(req, request, subs, "text_completion", self._completion_choice)
+        # echo: each choice's text starts with its prompt (as given, or decoded from token ids).
+        echo = None
+        if req.echo:
+            echo = [
+                p if isinstance(p, str) else self.tm.tokenizer.decode(p) for p in prompt for _ in range(req.n)
+            ]
+        choice = partial(self._completion_choice, echo=echo, top=req.top_logprobs_num > 0)
+        return await self._respond(req, request, subs, "text_completion", choice)
 
     async def chat(self, req: ChatCompletionRequest, request: Request):
         self.check_model(req.model)
         messages = [m.as_template_input() for m in req.messages]
-        ids = await asyncio.to_thread(self.tm.chat_prompt, messages)
+        try:
+            ids = await asyncio.to_thread(
+                self.tm.chat_prompt, messages, req.continue_final_message, **(req.chat_template_kwargs or {})
+            )
+        except TypeError as e:  # a chat_template_kwargs key the template function refuses
+            raise RequestError(f"chat_template_kwargs: {e}") from None
         subs = self._submissions(req, [ids], req.max_new_tokens, req.logprobs)
         return await self._respond(req, request, subs, "chat.completion", self._chat_choice)
 
@@ -121,20 +138,39 @@ class OpenAIServing:
             yield sse({**head, "object": obj, "choices": [], "usage": _usage(prompt_tokens, last, req.n)})
         yield sse("[DONE]")
 
-    def _token_logprobs(self, chunks: list[Chunk]) -> tuple[list[str], list[float]]:
-        ids = [t for c in chunks for t in c.token_ids]
-        return [self.tm.tokenizer.decode([t]) for t in ids], [lp for c in chunks for lp in c.logprobs]
+    def _token_logprobs(self, chunks: list[Chunk]) -> list[tuple[str, float, list[tuple[str, float]]]]:
+        """Each new token's text and logprob, with its alternatives' (text, logprob)."""
+        text = self.tm.tokenizer.decode
+        return [
+            (text([t]), lp, [(text([a]), alp) for a, alp in top])
+            for c in chunks
+            for t, lp, top in zip(c.token_ids, c.logprobs, c.top_logprobs, strict=True)
+        ]
 
     def _completion_choice(
-        self, index: int, chunks: list[Chunk], with_logprobs: bool, final: bool, first: bool = False
+        self,
+        index: int,
+        chunks: list[Chunk],
+        with_logprobs: bool,
+        final: bool,
+        first: bool = False,
+        echo: list[str] | None = None,
+        top: bool = False,
     ) -> dict:
         logprobs = None
         if with_logprobs:
-            tokens, lps = self._token_logprobs(chunks)
-            logprobs = {"tokens": tokens, "token_logprobs": lps, "top_logprobs": None, "text_offset": None}
+            entries = self._token_logprobs(chunks)
+            logprobs = {
+                "tokens": [t for t, _, _ in entries],
+                "token_logprobs": [lp for _, lp, _ in entries],
+                # Token texts may repeat (pieces of one character): each keeps its likeliest.
+                "top_logprobs": [dict(reversed(alts)) for _, _, alts in entries] if top else None,
+                "text_offset": None,
+            }
+        prefix = echo[index] if echo and (final or first) else ""
         return {
             "index": index,
-            "text": "".join(c.text for c in chunks),
+            "text": prefix + "".join(c.text for c in chunks),
             "logprobs": logprobs,
             "finish_reason": finish_reason(chunks[-1]),
         }
@@ -144,11 +180,17 @@ class OpenAIServing:
     ) -> dict:
         logprobs = None
         if with_logprobs:
-            tokens, lps = self._token_logprobs(chunks)
             logprobs = {
                 "content": [
-                    {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                    for t, lp in zip(tokens, lps, strict=True)
+                    {
+                        "token": t,
+                        "logprob": lp,
+                        "bytes": list(t.encode()),
+                        "top_logprobs": [
+                            {"token": a, "logprob": alp, "bytes": list(a.encode())} for a, alp in top
+                        ],
+                    }
+                    for t, lp, top in self._token_logprobs(chunks)
                 ]
             }
         text = "".join(c.text for c in chunks)

@@ -1,27 +1,72 @@
-"""Request bodies of the HTTP API. Unknown fields are rejected, as OpenAI does.
+"""Request bodies of the HTTP API: one model per endpoint, holding the endpoint's table of accepted
+fields (README.md, "Request fields"): OpenAI's fields and SGLang's extensions, as SGLang's router
+(sglang-router) fills them in on every request. A field is
 
-Besides OpenAI's fields, completions and chat accept SGLang's sampling extensions:
-top_k, min_p, ignore_eos, stop_token_ids, and data_parallel_rank to pin a request to a DP group.
+- implemented;
+- accepted without effect: whatever its value, dpserve does what SGLang does without the feature
+  behind it (no reasoning parser, nothing logged per request);
+- or accepted only at its neutral value (`NEUTRAL`): another value is a 400 naming the field.
+
+Fields in none of these are rejected (a typo gets a 400, as OpenAI does).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import json
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 from dpserve.sampling_params import SamplingParams
+
+MAX_TOP_LOGPROBS = 20
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    # Fields accepted only at one of their neutral values (features dpserve does not have).
+    NEUTRAL: ClassVar[dict[str, tuple]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _only_neutral(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        for name, accepted in cls.NEUTRAL.items():
+            if name in data and (value := data.pop(name)) not in accepted:
+                raise PydanticCustomError(
+                    "not_supported",
+                    "{name}={value} is not supported (only {accepted})",
+                    {
+                        "name": name,
+                        "value": json.dumps(value),
+                        "accepted": " or ".join(map(json.dumps, accepted)),
+                    },
+                )
+        return data
+
+    @classmethod
+    def accepted_fields(cls) -> set[str]:
+        """Every field name the endpoint accepts (the README's table)."""
+        return set(cls.model_fields) | set(cls.NEUTRAL)
 
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # no effect: usage comes once, at the end
 
 
 class _OpenAIRequest(_Strict):
+    NEUTRAL: ClassVar[dict[str, tuple]] = {
+        "return_hidden_states": (False,),
+        "regex": (None,),
+        "ebnf": (None,),
+        "lora_path": (None,),
+        "session_params": (None,),
+    }
+
     model: str
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -30,22 +75,31 @@ class _OpenAIRequest(_Strict):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    user: str | None = None
+    sampling_seed: int | None = None  # SGLang's name for seed
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int = Field(0, ge=0)
     top_k: int = -1
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     ignore_eos: bool = False
     stop_token_ids: list[int] = Field(default_factory=list)
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
     data_parallel_rank: int | None = None
+    user: str | None = None  # no effect
 
     @model_validator(mode="after")
-    def _no_penalties(self):
-        for name in ("frequency_penalty", "presence_penalty"):
-            if getattr(self, name) != 0:
-                raise ValueError(f"{name} is not supported (only 0)")
+    def _check(self):
         if self.top_k != -1 and self.top_k < 1:
             raise ValueError(f"top_k must be -1 or >= 1, got {self.top_k}")
+        if None not in (self.seed, self.sampling_seed) and self.seed != self.sampling_seed:
+            raise ValueError(f"seed={self.seed} and sampling_seed={self.sampling_seed} differ")
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.isdigit() or not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias maps token ids to numbers in [-100, 100], got {key!r}: {bias}")
         return self
 
     @property
@@ -56,31 +110,57 @@ class _OpenAIRequest(_Strict):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def top_logprobs_num(self) -> int:
+        return 0
+
     def sampling_params(self, max_new_tokens: int, choice: int) -> SamplingParams:
         # With n > 1 and a seed, each choice gets its own seed so that choices differ.
-        seed = None if self.seed is None else self.seed + choice
+        seed = self.seed if self.seed is not None else self.sampling_seed
         return SamplingParams(
             max_new_tokens=max_new_tokens,
+            min_new_tokens=self.min_tokens,
             temperature=self.temperature,
             top_k=self.top_k,
             top_p=self.top_p,
             min_p=self.min_p,
-            seed=seed,
+            seed=None if seed is None else seed + choice,
+            frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
             stop_token_ids=list(self.stop_token_ids),
             ignore_eos=self.ignore_eos,
+            top_logprobs_num=self.top_logprobs_num,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            no_stop_trim=self.no_stop_trim,
         )
 
 
 class CompletionRequest(_OpenAIRequest):
+    NEUTRAL: ClassVar[dict[str, tuple]] = {
+        **_OpenAIRequest.NEUTRAL,
+        "best_of": (None, 1),
+        "suffix": (None, ""),
+        "json_schema": (None,),
+    }
+
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(16, gt=0)
-    logprobs: int | None = Field(None, ge=0)
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+    rid: str | list[str] | None = None  # no effect: dpserve names requests itself
 
     @model_validator(mode="after")
-    def _logprobs(self):
-        if self.logprobs:
-            raise ValueError("logprobs > 0 (top alternatives) is not supported; use logprobs=0")
+    def _echo(self):
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo with logprobs is not supported (no log-probabilities of the prompt)")
         return self
+
+    @property
+    def top_logprobs_num(self) -> int:
+        return self.logprobs or 0
 
 
 class TextPart(_Strict):
@@ -99,32 +179,97 @@ class ChatMessage(_Strict):
 
 
 class ChatCompletionRequest(_OpenAIRequest):
+    NEUTRAL: ClassVar[dict[str, tuple]] = {
+        **_OpenAIRequest.NEUTRAL,
+        "tools": (None, []),
+        "tool_choice": (None, "none", "auto"),
+        "functions": (None, []),
+        "function_call": (None, "none", "auto"),
+        "response_format": (None, {"type": "text"}),
+        "reasoning_effort": (None,),
+        "modalities": (None, ["text"]),
+        "audio": (None,),
+        "prediction": (None,),
+        "web_search_options": (None,),
+        "service_tier": (None, "auto", "default"),
+        "store": (None, False),
+        "verbosity": (None,),
+    }
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, gt=0)
     max_completion_tokens: int | None = Field(None, gt=0)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    # No effect: no reasoning parser (as SGLang without --reasoning-parser), no tools, nothing stored.
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
+    parallel_tool_calls: bool | None = None
+    metadata: dict[str, str] | None = None
+    prompt_cache_key: str | None = None  # the prefix cache needs no key
+    safety_identifier: str | None = None
 
     @model_validator(mode="after")
-    def _top_logprobs(self):
-        if self.top_logprobs:
-            raise ValueError("top_logprobs > 0 is not supported; logprobs=true returns the chosen tokens'")
+    def _chat(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs=true")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ValueError("continue_final_message requires the last message to be the assistant's")
         return self
 
     @property
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    @property
+    def top_logprobs_num(self) -> int:
+        return self.top_logprobs or 0
+
 
 class GenerateRequestBody(_Strict):
     """Native /generate (SGLang's shape): text or input_ids, one or a batch."""
+
+    NEUTRAL: ClassVar[dict[str, tuple]] = {
+        "logprob_start_len": (None, -1),
+        "token_ids_logprob": (None,),
+        "return_hidden_states": (False,),
+        "return_bytes": (False,),
+        "return_entropy": (False,),
+        "background": (False,),
+        "modalities": (None,),
+        "image_data": (None,),
+        "audio_data": (None,),
+        "video_data": (None,),
+        "input_embeds": (None,),
+        "session_params": (None,),
+        "lora_path": (None,),
+        "lora_id": (None,),
+        "custom_logit_processor": (None,),
+        "bootstrap_host": (None,),
+        "bootstrap_port": (None,),
+        "bootstrap_room": (None,),
+        "bootstrap_pair_key": (None,),
+        "priority": (None,),
+        "extra_key": (None,),
+        "conversation_id": (None,),
+        "custom_labels": (None,),
+    }
 
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
     sampling_params: dict | list[dict] | None = None
     stream: bool = False
     return_logprob: bool = False
+    top_logprobs_num: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
+    return_text_in_logprobs: bool = False
     data_parallel_rank: int | None = None
+    model: str | None = None
+    # No effect: dpserve logs no request contents, keeps no per-request metrics log, names requests itself.
+    log_metrics: bool = True
+    no_logs: bool = False
+    rid: str | list[str] | None = None
 
     @model_validator(mode="after")
     def _one_input(self):

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import functools
 import random
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoModelForCausalLM, PreTrainedModel, RepetitionPenaltyLogitsProcessor
+
+from dpserve.sampling_params import SamplingParams
 
 NEAR_TIE = 1e-3  # top-2 logits closer than this make greedy argmax numerically ambiguous
 
@@ -55,6 +58,52 @@ def hf_greedy_reference(
         compare_len = int(unsafe[0]) if len(unsafe) else len(new_ids)
         refs.append(Reference(new_ids.tolist(), chosen.tolist(), compare_len))
     return refs
+
+
+def reference_logits(
+    logits: torch.Tensor, prompt: list[int], generated: list[int], params: SamplingParams, stop_ids: set[int]
+) -> torch.Tensor:
+    """What `params` make of one position's raw logits, the plain way, token by token: Hugging Face's
+    repetition penalty over prompt and generated tokens, then OpenAI's frequency and presence
+    penalties over the generated ones, the logit bias, and -inf for `stop_ids` while fewer than
+    min_new_tokens were generated."""
+    scores = logits.float().clone()[None]
+    if params.repetition_penalty != 1:
+        processor = RepetitionPenaltyLogitsProcessor(params.repetition_penalty)
+        scores = processor(torch.tensor([prompt + generated]), scores)
+    scores = scores[0]
+    for token, count in Counter(generated).items():
+        scores[token] -= count * params.frequency_penalty + params.presence_penalty
+    for token, bias in params.logit_bias.items():
+        scores[token] += bias
+    if len(generated) < params.min_new_tokens:
+        for token in stop_ids:
+            scores[token] = float("-inf")
+    return scores
+
+
+@torch.inference_mode()
+def hf_sampling_reference(
+    model_dir: str | Path, prompt: list[int], params: SamplingParams, eos_ids: tuple[int, ...]
+) -> Reference:
+    """Greedy decoding of one prompt with transformers in float32, one position at a time, its
+    logits changed by `reference_logits`; it stops as the engine does (EOS unless ignored, stop
+    token ids, max_new_tokens). Steps are safe to compare up to the first near-tie of the changed
+    logits."""
+    model = _load_model(str(Path(model_dir).resolve()))
+    stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
+    out, logprobs, compare_len = [], [], None
+    while len(out) < params.max_new_tokens:
+        raw = model(torch.tensor([prompt + out])).logits[0, -1].float()  # tiny models: no KV cache needed
+        top2 = reference_logits(raw, prompt, out, params, stop_ids).topk(2)
+        if compare_len is None and top2.values[0] - top2.values[1] < NEAR_TIE:
+            compare_len = len(out)
+        token = int(top2.indices[0])
+        out.append(token)
+        logprobs.append(float(raw.log_softmax(-1)[token]))
+        if token in stop_ids:
+            break
+    return Reference(out, logprobs, len(out) if compare_len is None else compare_len)
 
 
 def random_prompts(

@@ -1,6 +1,8 @@
-"""Runs `python -m dpserve.launch_server` as a child process (for tests, examples and benchmarks).
+"""Runs `python -m dpserve.launch_server`, or SGLang's router in front of servers, as child processes
+(for tests, examples and benchmarks).
 
-Readiness comes from the server's own log ("Application startup complete"), not from polling.
+A server's readiness comes from its own log ("Application startup complete"); the router's from
+its /readiness answer, polled until every worker is healthy or a deadline passes.
 """
 
 from __future__ import annotations
@@ -10,37 +12,34 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
-from dpserve.engine.workers import free_port
+import httpx
+
+from dpserve.engine.worker_pool import free_port
 
 READY_LINE = "Application startup complete"
+POLL_S = 0.2  # between readiness polls
 
 
-class ServerProcess:
-    def __init__(self, *args: str, port: int | None = None, wait_ready: bool = True, timeout: float = 300):
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "dpserve.launch_server", *args]
-        if wait_ready:
-            cmd += ["--port", str(self.port)]
+class ChildProcess:
+    """A child process whose output is collected line by line (`output`) as it runs."""
+
+    def __init__(self, cmd: list[str], ready_line: str | None = None):
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
         )
         self.log: list[str] = []
+        self._ready_line = ready_line
         self._ready = threading.Event()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
-        if wait_ready:
-            self._ready.wait(timeout)
-            if self.proc.poll() is not None or not self._ready.is_set():
-                self.kill()
-                raise RuntimeError(f"the server did not start:\n{self.output}")
 
     def _read(self) -> None:
         for line in self.proc.stdout:
             self.log.append(line)
-            if READY_LINE in line:
+            if self._ready_line is not None and self._ready_line in line:
                 self._ready.set()
         self._ready.set()  # the process ended
 
@@ -64,9 +63,57 @@ class ServerProcess:
             self.proc.kill()
         self.wait(60)
 
-    def __enter__(self) -> ServerProcess:
+    def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:
         if self.proc.poll() is None:
             self.stop()
+
+
+class ServerProcess(ChildProcess):
+    def __init__(self, *args: str, port: int | None = None, wait_ready: bool = True, timeout: float = 300):
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "dpserve.launch_server", *args]
+        if wait_ready:
+            cmd += ["--port", str(self.port)]
+        super().__init__(cmd, READY_LINE)
+        if wait_ready:
+            self._ready.wait(timeout)
+            if self.proc.poll() is not None or not self._ready.is_set():
+                self.kill()
+                raise RuntimeError(f"the server did not start:\n{self.output}")
+
+
+class RouterProcess(ChildProcess):
+    """SGLang's router (`pip install sglang-router`) in front of `worker_urls`, on 127.0.0.1; ready
+    once its /readiness counts every worker healthy. `args` are more launch_router flags."""
+
+    def __init__(self, worker_urls: list[str], *args: str, timeout: float = 120):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1"]
+        cmd += [
+            "--port",
+            str(self.port),
+            "--prometheus-host",
+            "127.0.0.1",
+            "--prometheus-port",
+            str(free_port()),
+        ]
+        super().__init__([*cmd, "--worker-urls", *worker_urls, *args])
+        deadline = time.monotonic() + timeout
+        while self.healthy_workers() < len(worker_urls):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(
+                    f"the router did not see {len(worker_urls)} healthy workers:\n{self.output}"
+                )
+            time.sleep(POLL_S)
+
+    def healthy_workers(self) -> int:
+        try:
+            return httpx.get(f"{self.url}/readiness").json().get("healthy_workers", 0)
+        except (httpx.HTTPError, ValueError):
+            return 0

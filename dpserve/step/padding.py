@@ -1,6 +1,7 @@
-"""Per-step choice of the DP padding mode and graph bucket (design section 4).
+"""The policy every rank derives a step's layout by (docs/design.md, section 4): padding mode, bucket,
+whether a group's batch can be padded at all.
 
-Every rank calls `PaddingPlanner.step` with the same gathered per-group sizes and the same
+Every rank calls `PaddingPolicy.layout` with the same exchanged per-group sizes and the same
 cost model (rank 0's calibration, broadcast at start-up), so every rank derives the same
 mode and bucket without exchanging anything else.
 
@@ -23,9 +24,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from tqdm import tqdm
 
 from dpserve.distributed import Topology, broadcast_object
-from dpserve.layers.dp_attention import DPStep, round_up
+from dpserve.step.records import GroupBatch, GroupSizes, StepLayout, round_up
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +66,7 @@ class CostModel:
 
 
 def calibrate(
-    run_step: Callable[[DPStep], Callable[[], object]],
+    run_step: Callable[[StepLayout], Callable[[], object]],
     topo: Topology,
     device: torch.device,
     group: torch.distributed.ProcessGroup | None,
@@ -91,13 +93,16 @@ def calibrate(
         return time.perf_counter() - start
 
     runs = {
-        m: [run_step(DPStep(m, (0,) * dp, (0,) * dp, topo.dp_rank, a, size)) for size in sizes[m]]
+        m: [run_step(StepLayout(m, (0,) * dp, (0,) * dp, topo.dp_rank, a, size)) for size in sizes[m]]
         for m in sizes
     }
     for m in sizes:
         runs[m][0]()  # warm-up
     # Modes interleaved run by run, so that a slow spell of the machine hits both alike.
-    for i in range(len(CALIBRATION_SIZES)):
+    bar = tqdm(
+        range(len(CALIBRATION_SIZES)), desc="Calibrating padding modes", unit="size", disable=topo.rank != 0
+    )
+    for i in bar:
         samples: dict[str, list[float]] = {m: [] for m in sizes if i < len(runs[m])}
         for _ in range(CALIBRATION_REPS):
             for m, times in samples.items():
@@ -110,7 +115,8 @@ def calibrate(
         monotone = tuple(min(secs[i:]) for i in range(len(secs)))
         curves[m] = Curve(tuple(float(r) for r in sizes[m]), monotone)
     cost = broadcast_object(CostModel(**curves), 0, group)
-    logger.info("dp padding cost model (rank 0's timings of a padded step): %s", cost)
+    if topo.rank == 0:
+        logger.info("dp padding cost model (a padded step's time on rank 0, used by every rank): %s", cost)
     return cost
 
 
@@ -119,12 +125,13 @@ def _bucket(buckets: list[int], n: int) -> int | None:
     return buckets[i] if i < len(buckets) else None
 
 
-class PaddingPlanner:
-    """Turns the gathered per-group sizes into a DPStep: mode, and graph bucket or eager."""
+class PaddingPolicy:
+    """Turns every group's sizes into the step's StepLayout: mode, and bucket or unpadded."""
 
-    def __init__(self, mode: str, buckets: list[int], topo: Topology):
+    def __init__(self, mode: str, buckets: list[int], topo: Topology, max_kv_len: int):
         self.mode, self.dp_rank, self.attn_tp_size = mode, topo.dp_rank, topo.attn_tp_size
         self.dp_size = topo.dp_size
+        self.max_kv_len = max_kv_len  # longest request a padded step (a captured graph) can attend to
         self.cost: CostModel | None = None  # auto with several DP groups: set by calibrate()
         a = topo.attn_tp_size
         # sum_len's buckets count global rows; max_len's count rows per group, a multiple of A.
@@ -133,15 +140,35 @@ class PaddingPlanner:
             "max_len": sorted({round_up(b, a) for b in buckets}),
         }
 
-    @property
-    def graph_modes(self) -> tuple[str, ...]:
-        """The modes a padded step can take, each needing its own graphs."""
-        if self.mode != "auto":
-            return (self.mode,)
-        return ("sum_len", "max_len") if self.dp_size > 1 else ("sum_len",)
+    def can_pad(self, batch: GroupBatch) -> bool:
+        """Whether a group's batch can take a decode bucket: decode, verify (one row per token) or
+        idle, every request's KV short enough for a padded step."""
+        if batch.mode == "extend" or not self.buckets["sum_len"]:
+            return False
+        return all(r.seq_len <= self.max_kv_len for r in batch.reqs)
 
-    def step(self, tokens: list[int], logit_rows: list[int], can_pad: bool) -> DPStep:
-        """`can_pad`: every group's batch fits a graph (decode or idle, short enough)."""
+    def padded_layouts(self) -> list[StepLayout]:
+        """Every padded layout a step can take (one CUDA graph each), largest first, with no real rows."""
+        if self.mode != "auto":
+            modes = (self.mode,)
+        else:
+            modes = ("sum_len", "max_len") if self.dp_size > 1 else ("sum_len",)
+        zeros = (0,) * self.dp_size
+        layouts = [
+            StepLayout(m, zeros, zeros, self.dp_rank, self.attn_tp_size, b)
+            for m in modes
+            for b in self.buckets[m]
+        ]
+        return sorted(layouts, key=lambda s: -s.local_rows)
+
+    def step_layout(self, sizes: list[GroupSizes]) -> StepLayout:
+        """The main step's layout: padded when every group can pad."""
+        return self.layout(
+            [s.tokens for s in sizes], [s.samples for s in sizes], all(s.can_pad for s in sizes)
+        )
+
+    def layout(self, tokens: list[int], logit_rows: list[int], can_pad: bool) -> StepLayout:
+        """`can_pad`: every group's batch fits a bucket (decode or idle, short enough)."""
         a = self.attn_tp_size
         sizes = {"sum_len": sum(tokens), "max_len": max(tokens)}
         buckets = {m: _bucket(self.buckets[m], n) if can_pad else None for m, n in sizes.items()}
@@ -150,9 +177,9 @@ class PaddingPlanner:
             if self.cost is None:  # one DP group: both modes are the same but for rounding
                 mode = "sum_len"
             elif buckets["sum_len"] is None and buckets["max_len"] is not None:
-                mode = "max_len"  # the sum outgrew the largest graph; the largest group did not
+                mode = "max_len"  # the sum outgrew the largest bucket; the largest group did not
             else:
                 rows = buckets["sum_len"] or sizes["sum_len"]
                 m = buckets["max_len"] or round_up(sizes["max_len"], a)
                 mode = "sum_len" if self.cost.sum_len(rows) <= self.cost.max_len(m) else "max_len"
-        return DPStep(mode, tuple(tokens), tuple(logit_rows), self.dp_rank, a, buckets[mode])
+        return StepLayout(mode, tuple(tokens), tuple(logit_rows), self.dp_rank, a, buckets[mode])

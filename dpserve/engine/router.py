@@ -19,28 +19,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+from dpserve.config import EngineConfig
 from dpserve.kvcache.radix_cache import RadixTree
-
-LOAD_BALANCE_METHODS = ("cache_aware", "minimum_tokens", "shortest_queue", "round_robin")
-
-
-@dataclass(frozen=True)
-class CacheAwarePolicy:
-    cache_threshold: float = 0.5  # share of the prompt a group must hold to win on cache
-    balance_abs_threshold: int = 4096  # outstanding-token gap beyond which load wins...
-    balance_rel_threshold: float = 1.5  # ...if the busiest group also has this many times the least
-    max_tree_tokens: int = 262144  # tokens remembered per group (least recently used go first)
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.cache_threshold <= 1.0:
-            raise ValueError(f"cache_threshold must be in [0, 1], got {self.cache_threshold}")
-        if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1.0:
-            raise ValueError(
-                f"balance thresholds must be >= 0 tokens and >= 1.0, got {self.balance_abs_threshold} "
-                f"and {self.balance_rel_threshold}"
-            )
-        if self.max_tree_tokens < 1:
-            raise ValueError(f"max_tree_tokens must be >= 1, got {self.max_tree_tokens}")
 
 
 @dataclass
@@ -51,17 +31,15 @@ class _Load:
 
 
 class Router:
-    def __init__(self, num_groups: int, method: str = "cache_aware", policy: CacheAwarePolicy | None = None):
-        if method not in LOAD_BALANCE_METHODS:
-            raise ValueError(f"load balance method must be one of {LOAD_BALANCE_METHODS}, got {method!r}")
-        self.method = method
-        self.num_groups = num_groups
-        self.policy = policy or CacheAwarePolicy()
-        self.trees = [RadixTree() for _ in range(num_groups)] if method == "cache_aware" else []
+    """Routes by `cfg.load_balance_method` and its cache_aware thresholds (EngineConfig fields)."""
+
+    def __init__(self, cfg: EngineConfig):
+        self.cfg, self.method, self.num_groups = cfg, cfg.load_balance_method, cfg.dp_size
+        self.trees = [RadixTree() for _ in range(self.num_groups)] if self.method == "cache_aware" else []
         self._turn = itertools.count()
         self._inflight: dict[str, _Load] = {}
-        self.outstanding_tokens = [0] * num_groups
-        self.requests = [0] * num_groups
+        self.outstanding_tokens = [0] * self.num_groups
+        self.requests = [0] * self.num_groups
 
     def route(self, rid: str, input_ids: list[int], max_new_tokens: int, pinned: int | None = None) -> int:
         """Picks the group of a new request (or takes the pinned one) and counts its load there."""
@@ -79,8 +57,8 @@ class Router:
         if self.trees:
             tree = self.trees[group]
             tree.insert(input_ids)
-            if tree.size > self.policy.max_tree_tokens:
-                tree.evict(tree.size - self.policy.max_tree_tokens)
+            if tree.size > self.cfg.max_tree_size:
+                tree.evict(tree.size - self.cfg.max_tree_size)
         self._inflight[rid] = _Load(group, len(input_ids), max_new_tokens)
         self.outstanding_tokens[group] += len(input_ids) + max_new_tokens
         self.requests[group] += 1
@@ -90,7 +68,7 @@ class Router:
         return min(range(self.num_groups), key=lambda g: (self.outstanding_tokens[g], self.requests[g]))
 
     def _cache_aware(self, input_ids: list[int]) -> int:
-        p, loads = self.policy, self.outstanding_tokens
+        p, loads = self.cfg, self.outstanding_tokens
         low, high = min(loads), max(loads)
         if high - low > p.balance_abs_threshold and high > p.balance_rel_threshold * low:
             return self._least_loaded()
@@ -99,6 +77,10 @@ class Router:
         if matched[best] > 0 and matched[best] >= p.cache_threshold * len(input_ids):
             return best
         return self._least_loaded()
+
+    def flush(self) -> None:
+        """Forgets what was sent where (the groups' prefix caches were flushed)."""
+        self.trees = [RadixTree() for _ in self.trees]
 
     def check_pin(self, pinned: int) -> None:
         if not 0 <= pinned < self.num_groups:

@@ -1,4 +1,5 @@
-"""The worker processes of one node and the ZMQ sockets between the front end and the group leaders.
+"""The worker processes (one per rank) of one node and the ZMQ sockets between the front end and
+the group leaders.
 
 Node 0 binds the sockets (ipc on one node, tcp next to `dist_init_addr` across nodes), starts its
 share of the ranks and waits until every rank of every node reports ready. Other nodes only start
@@ -11,6 +12,7 @@ output collector P + instances; DP group g's request socket P + instances + 1 + 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import multiprocessing as mp
 import shutil
@@ -19,10 +21,12 @@ import socket
 import tempfile
 from pathlib import Path
 
+import torch
 import zmq
 
 from dpserve.config import EngineConfig
-from dpserve.engine.worker import WorkerAddresses, run_worker
+from dpserve.models.gguf import resolve_model_path
+from dpserve.worker.loop import WorkerAddresses, run_worker
 
 logger = logging.getLogger("dpserve")
 
@@ -31,6 +35,20 @@ POLL_MS = 100
 
 class WorkerFailure(RuntimeError):
     """A rank died or raised; the workers are shut down."""
+
+
+def prepared(cfg: EngineConfig) -> EngineConfig:
+    """What starting ranks needs first: the device exists, and `cfg` with a GGUF file or the packaged
+    alias converted (once, cached) to a model directory."""
+    if cfg.nnodes > 1 and not cfg.dist_init_addr:
+        raise ValueError("nnodes > 1 needs dist_init_addr=HOST:PORT (node 0's address, reachable by all)")
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        build = "a CPU build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+        raise ValueError(
+            f"device=cuda, but this process sees no CUDA device (torch {torch.__version__}, {build}); "
+            "use device cpu (or auto)"
+        )
+    return dataclasses.replace(cfg, model_path=resolve_model_path(cfg.model_path))
 
 
 def free_port() -> int:
@@ -95,8 +113,9 @@ def stop_ranks(procs: list[mp.Process], timeout: float = 10) -> None:
             p.join()
 
 
-class WorkerSet:
-    """Node 0's view of the workers: per DP group a request socket, one output collector."""
+class WorkerPool:
+    """Node 0's view of the workers: starts them, a request socket per DP group, one output
+    collector; `recv` raises WorkerFailure when a rank failed or died."""
 
     def __init__(self, cfg: EngineConfig):
         self.cfg = cfg
@@ -125,10 +144,16 @@ class WorkerSet:
         # One entry per DP group, from its leader.
         self.dp_info = [ready[g * cfg.attn_tp_size] for g in range(cfg.dp_size)]
 
-    def send(self, dp_rank: int, msg: object) -> None:
+    def send(self, dp_rank: int, msg: object, wake_all: bool = False) -> None:
+        """`msg` to group `dp_rank`'s leader; `wake_all`: the other groups of its instance (DP
+        attention), idle, must step with it."""
         if self.closed:
             raise RuntimeError("the engine is shut down")
         self._requests[dp_rank].send_pyobj(msg)
+        if wake_all and self.cfg.enable_dp_attention:
+            for g, sock in enumerate(self._requests):
+                if g != dp_rank:
+                    sock.send_pyobj({"type": "wake"})
 
     def recv(self, timeout_ms: int | None = None) -> dict | None:
         """The next message from a worker, or None after `timeout_ms` (None: wait for one).
@@ -176,6 +201,7 @@ class WorkerSet:
 
 def run_node(cfg: EngineConfig) -> int:
     """A node other than 0: runs its ranks until they exit. Returns the exit code (0: clean)."""
+    cfg = prepared(cfg)
     _, connect = worker_addresses(cfg, None)
     procs = start_ranks(cfg, connect)
     logger.info(

@@ -1,5 +1,7 @@
-"""The Triton paged-attention backend against the SDPA reference, in Triton's interpreter on the CPU
-(the same kernels the GPU runs): MLA and GQA, decode and extend, mixed lengths, padded rows."""
+"""The attention backends against the SDPA reference: Triton's paged kernels in Triton's interpreter
+on the CPU (the same kernels the GPU runs) and the CPU's torch backend; MLA and GQA (and the
+multi-head form of MLA prefill: as many KV heads as query heads, values narrower than keys), decode
+and extend, mixed lengths, padded rows."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import torch
 
 from dpserve.attention.backend import AttentionMetadata
 from dpserve.attention.sdpa import SdpaBackend
+from dpserve.attention.torch_backend import TorchBackend
 from dpserve.attention.triton_backend import TritonBackend
 from dpserve.attention.triton_kernels import decode_attention
 
@@ -36,20 +39,24 @@ def make_meta(seq_lens: list[int], q_lens: list[int], pad: int = 0, width: int =
         num_tokens=sum(q_lens),
         max_q_len=max(q_lens),
         max_seq_len=max(seq),
+        q_lens_host=q_lens,
+        seq_lens_host=seq,
     )
     return meta, num_slots
 
 
 def run_both(fn, meta):
+    """Every backend on `meta` against the SDPA reference; returns Triton's output."""
     outs = []
-    for backend in (SdpaBackend(), TritonBackend(num_kv_splits=4)):
+    for backend in (SdpaBackend(), TritonBackend(num_kv_splits=4), TorchBackend()):
         m = AttentionMetadata(**{**meta.__dict__, "state": {}})
         backend.prepare(m)
         outs.append(fn(backend, m))
-    ref, got = outs
-    assert torch.isfinite(got).all()
-    torch.testing.assert_close(got, ref, **TOL)
-    return got
+    ref, *got = outs
+    for out in got:
+        assert torch.isfinite(out).all()
+        torch.testing.assert_close(out, ref, **TOL)
+    return got[0]
 
 
 def mla_case(heads, latent, rope, seq_lens, q_lens, pad=0, seed=0):
@@ -61,11 +68,11 @@ def mla_case(heads, latent, rope, seq_lens, q_lens, pad=0, seed=0):
     return run_both(lambda b, m: b.mla(q, cache, m, scale, latent), meta)
 
 
-def gqa_case(heads, kv_heads, dim, seq_lens, q_lens, pad=0, seed=0):
+def gqa_case(heads, kv_heads, dim, seq_lens, q_lens, pad=0, seed=0, v_dim=None):
     meta, num_slots = make_meta(seq_lens, q_lens, pad, seed=seed)
     g = torch.Generator().manual_seed(seed + 1)
     k = torch.randn(num_slots, kv_heads, dim, generator=g)
-    v = torch.randn(num_slots, kv_heads, dim, generator=g)
+    v = torch.randn(num_slots, kv_heads, v_dim or dim, generator=g)
     q = torch.randn(meta.num_tokens, heads, dim, generator=g)
     return run_both(lambda b, m: b.gqa(q, k, v, m, dim**-0.5), meta)
 
@@ -89,6 +96,21 @@ def test_mla_deepseek_dims(lens):
 @pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 16), (6, 2, 96), (3, 3, 64), (2, 1, 8)])
 def test_gqa(lens, heads, kv_heads, dim):
     gqa_case(heads, kv_heads, dim, *lens, pad=2)
+
+
+@pytest.mark.parametrize("lens", [DECODE, EXTEND], ids=["decode", "extend"])
+def test_mla_multi_head_form(lens):
+    """MLA prefill in multi-head form: keys of nope + rope dims, values of v dims, one KV head per head."""
+    gqa_case(4, 4, 24, *lens, pad=1, v_dim=16)
+
+
+MIXED = ([30, 5, 12, 40, 3], [1, 5, 1, 9, 1])  # decode rows riding along prefill chunks
+
+
+def test_mixed_one_and_many_query_requests():
+    """The torch backend splits one-query rows from prefill chunks: both parts right, in place."""
+    mla_case(4, 32, 16, *MIXED, pad=2)
+    gqa_case(6, 2, 16, *MIXED, pad=2)
 
 
 def test_split_k_long_context():
@@ -131,9 +153,10 @@ def test_half_precision(dtype, lens):
     cache = torch.randn(num_slots, 48).to(dtype)
     q = torch.randn(meta.num_tokens, 4, 48).to(dtype)
     outs = []
-    for backend in (SdpaBackend(), TritonBackend()):
+    for backend in (SdpaBackend(), TritonBackend(), TorchBackend()):
         m = AttentionMetadata(**{**meta.__dict__, "state": {}})
         backend.prepare(m)
         outs.append(backend.mla(q, cache, m, 0.2, 32))
-    assert outs[1].dtype == dtype
-    torch.testing.assert_close(outs[1].float(), outs[0].float(), atol=3e-2, rtol=3e-2)
+    for out in outs[1:]:
+        assert out.dtype == dtype
+        torch.testing.assert_close(out.float(), outs[0].float(), atol=3e-2, rtol=3e-2)

@@ -1,0 +1,224 @@
+"""The front end: the one place requests enter and results leave, shared by the offline `Engine`
+and the HTTP server (which adds only HTTP, tokenization and streaming).
+
+It starts the workers, checks a request before anything reaches them, routes it to a DP group
+(`Router`: --load-balance-method, or the request's pinned data_parallel_rank), applies the
+workers' step reports to each request's state (new tokens, the final output), aborts, and keeps
+the per-group load figures behind routing, `get_server_info` and /metrics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from dpserve.config import EngineConfig
+from dpserve.engine.router import Router
+from dpserve.engine.worker_pool import WorkerPool, prepared
+from dpserve.models.config import ModelConfig
+from dpserve.models.loader import CheckpointReader
+from dpserve.sampling_params import SamplingParams
+from dpserve.scheduler.request import GenerateRequest, check_request
+from dpserve.worker.loop import RANK_FIGURES
+
+logger = logging.getLogger("dpserve")
+
+
+@dataclass
+class RequestState:
+    """One sequence in flight, as the front end sees it."""
+
+    rid: str
+    dp_rank: int
+    prompt_tokens: int
+    arrival: float = field(default_factory=time.monotonic)
+    first_token: float | None = None  # when its first token arrived
+    cached_tokens: int = 0  # prompt tokens its group found in the prefix cache (known at admission)
+    new: list[tuple[int, float, list]] = field(default_factory=list)  # (token, logprob, top) not taken yet
+    output: dict | None = None  # the worker's final output: the request is done
+
+
+def load_model_config(cfg: EngineConfig) -> ModelConfig:
+    """Reads and checks the model config against the layout, before any process starts."""
+    model_cfg = ModelConfig.load(cfg.model_path)
+    CheckpointReader(cfg.model_path)  # its weights are there (an error names the folder)
+    model_cfg.validate(cfg)
+    if cfg.speculative_algorithm == "NEXTN":
+        model_cfg.check_mtp()
+    return model_cfg
+
+
+class FrontEnd:
+    def __init__(self, cfg: EngineConfig):
+        for warning in cfg.ignored_options():
+            logger.warning("%s", warning)
+        self.cfg = cfg = prepared(cfg)
+        self.model_cfg = load_model_config(cfg)
+        self.router = Router(cfg)
+        self.workers = WorkerPool(cfg)
+        self.dp_info = self.workers.dp_info
+        self.stats = [info["stats"] for info in self.dp_info]  # each group's latest report
+        self.kv_capacity = min(info["max_total_num_tokens"] for info in self.dp_info)
+        self.counters = {"requests": 0, "prompt_tokens": 0, "generation_tokens": 0, "aborted": 0}
+        self.requests: dict[str, RequestState] = {}
+        self.replies: dict[int, object] = {}  # group leaders' answers to `ask`
+        self._log_ready()
+
+    def check(self, input_ids: list[int], params: SamplingParams, dp_rank: int | None = None) -> None:
+        """Raises ValueError, naming the numbers, for a request that can never run."""
+        m = self.model_cfg
+        if dp_rank is not None:
+            self.router.check_pin(dp_rank)
+        check_request(input_ids, params, m.vocab_size, m.context_len, self.kv_capacity)
+
+    def submit(
+        self,
+        input_ids: list[int],
+        params: SamplingParams,
+        return_logprob: bool = False,
+        dp_rank: int | None = None,
+    ) -> RequestState:
+        """Checks, routes and sends one sequence; its state fills in as the workers report."""
+        self.check(input_ids, params, dp_rank)
+        rid = uuid.uuid4().hex
+        group = self.router.route(rid, input_ids, params.max_new_tokens, dp_rank)
+        state = RequestState(rid, group, len(input_ids))
+        self.requests[rid] = state
+        self.counters["requests"] += 1
+        self.counters["prompt_tokens"] += len(input_ids)
+        self.workers.send(group, GenerateRequest(rid, list(input_ids), params, return_logprob), wake_all=True)
+        return state
+
+    def abort(self, rid: str) -> None:
+        """Asks the request's group to stop it and free its KV (its final output still arrives)."""
+        state = self.requests.get(rid)
+        if state is not None and state.output is None and not self.workers.closed:
+            self.counters["aborted"] += 1
+            self.workers.send(state.dp_rank, {"type": "abort", "rid": rid})
+
+    def release(self, rid: str) -> None:
+        """Forgets a request (finished, or given up by its caller)."""
+        if self.requests.pop(rid, None) is not None:
+            self.router.on_finish(rid)
+
+    def recv(self, timeout_ms: int | None = None) -> dict | None:
+        """The next worker message (None after `timeout_ms`); raises WorkerFailure."""
+        return self.workers.recv(timeout_ms)
+
+    def apply(self, msg: dict) -> list[RequestState]:
+        """Applies a worker message; returns the requests it changed."""
+        if msg["type"] in ("step_log", "expert_load"):
+            self.replies[msg["dp_rank"]] = msg["steps" if msg["type"] == "step_log" else "load"]
+            return []
+        if msg["type"] != "step":
+            return []
+        self.stats[msg["dp_rank"]] = msg["stats"]
+        self.counters["generation_tokens"] += len(msg["tokens"])
+        touched = {}
+        now = time.monotonic()
+        for rid, cached in msg["cached"]:
+            if rid in self.requests:
+                self.requests[rid].cached_tokens = cached
+        for rid, tok, lp, top in msg["tokens"]:
+            state = self.requests.get(rid)
+            if state is not None:
+                state.first_token = state.first_token or now
+                state.new.append((tok, lp, top))
+                self.router.on_token(rid)
+                touched[rid] = state
+        for output in msg["finished"]:
+            state = self.requests.get(output["rid"])
+            if state is not None:
+                state.output = output
+                touched[output["rid"]] = state
+        return list(touched.values())
+
+    def ask(self, what: str) -> list:
+        """Every group leader's reply to `get_{what}` (step_log, expert_load), in DP-rank order;
+        each leader clears what it sent."""
+        for g in range(self.cfg.dp_size):
+            self.workers.send(g, {"type": f"get_{what}"})
+        while len(self.replies) < self.cfg.dp_size:
+            self.apply(self.recv())
+        replies, self.replies = self.replies, {}
+        return [replies[g] for g in range(self.cfg.dp_size)]
+
+    def flush_cache(self) -> None:
+        """Empties every group's prefix cache of the entries no running request holds, and the
+        routing trees that follow them (POST /flush_cache)."""
+        for g in range(self.cfg.dp_size):
+            self.workers.send(g, {"type": "flush_cache"})
+        self.router.flush()
+
+    def get_step_logs(self) -> list[list]:
+        """Per DP group, the StepRecords of the steps run since the last call (then cleared)."""
+        return self.ask("step_log")
+
+    def get_expert_load(self) -> list[list[int]]:
+        """Rows routed to each expert of each MoE layer since the last call, [layers][experts]. Under
+        DP attention every leader counted every group's rows; replicas count their own."""
+        loads = self.ask("expert_load")
+        return (loads[0] if self.cfg.enable_dp_attention else sum(loads)).tolist()
+
+    def server_info(self) -> dict:
+        """Every option (as SGLang reports its server args), the derived layout, and per DP group
+        its KV pool and memory figures."""
+        cfg = self.cfg
+        ranks = [{"dp_rank": g, **{k: info[k] for k in RANK_FIGURES}} for g, info in enumerate(self.dp_info)]
+        return {
+            **dataclasses.asdict(cfg),
+            "attn_tp_size": cfg.attn_tp_size,
+            "graph_buckets": cfg.graph_buckets,
+            "radix_cache": not cfg.disable_radix_cache,
+            "dp_ranks": ranks,
+        }
+
+    def metrics(self) -> dict:
+        """Counters, and per DP group its leader's latest figures and the router's load."""
+        return {
+            "time": time.time(),
+            "counters": dict(self.counters),
+            "dp_ranks": [
+                {
+                    "dp_rank": g,
+                    **self.stats[g],
+                    "max_total_num_tokens": self.dp_info[g]["max_total_num_tokens"],
+                    "outstanding_tokens": self.router.outstanding_tokens[g],
+                    "inflight_requests": self.router.requests[g],
+                }
+                for g in range(self.cfg.dp_size)
+            ],
+        }
+
+    def shutdown(self) -> None:
+        self.workers.shutdown()
+
+    def _log_ready(self) -> None:
+        cfg, per_group = self.cfg, self.dp_info[0]["max_total_num_tokens"]
+        spec = "off"
+        if cfg.speculative_algorithm:
+            spec = f"{cfg.speculative_algorithm}, {cfg.speculative_num_steps} draft(s) per request and step"
+        logger.info(
+            "ready: %s tp=%d dp=%d (%s) attention TP=%d, %d ranks per node on %d node(s), %s on %s (%s "
+            "attention); KV %d tokens per DP group (%d bytes/token), %d for the instance; prefill budget %d "
+            "tokens per group, %d global; speculative decoding %s",
+            self.model_cfg.arch,
+            cfg.tp_size,
+            cfg.dp_size,
+            "DP attention" if cfg.enable_dp_attention else f"{cfg.num_instances} replica(s)",
+            cfg.attn_tp_size,
+            cfg.ranks_per_node,
+            cfg.nnodes,
+            cfg.dtype,
+            cfg.device,
+            cfg.attention_backend,
+            per_group,
+            self.dp_info[0]["kv_bytes_per_token"],
+            per_group * cfg.dp_size,
+            cfg.chunked_prefill_size,
+            cfg.chunked_prefill_size * cfg.dp_size,
+            spec,
+        )

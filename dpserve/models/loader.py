@@ -1,0 +1,105 @@
+"""The weight loader: the one place that decides which part of which checkpoint tensor a rank reads.
+
+A model lists where each of its parameters comes from as `Weight` entries (its `weights()`): the
+checkpoint tensor's name, the destination (a parameter, or a view of the part of a fused one it
+fills: the q/k/v rows of `qkv_proj`, one expert of `w13`), and the shard rule:
+
+    Weight(name, dest)                      the whole tensor, replicated (norms, routers)
+    Weight(name, dest, dim, index)          part `index` along `dim`, as large as `dest` (column and
+                                            row parallel, heads, experts)
+    Weight(name, dest, dim, index, pad=True) the same, zeros past the tensor's end (a vocabulary
+                                            padded to a multiple of the ranks)
+
+Layers know nothing of checkpoints; a new sharding (experts per rank) or a new tensor format is a
+change here and in the models' tables only.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+
+@dataclass(frozen=True)
+class Weight:
+    name: str  # checkpoint tensor
+    dest: torch.Tensor  # a parameter, or a view of the part of a fused parameter it fills
+    dim: int | None = None  # None: replicated; else this rank's part along `dim`:
+    index: int = 0  # elements [index * n, (index + 1) * n), n = dest.shape[dim]
+    pad: bool = False  # zeros past the tensor's end instead of an error
+
+    def read(self, r: CheckpointReader) -> torch.Tensor:
+        sl = r.slice(self.name)
+        shape = tuple(sl.get_shape())
+        if self.dim is None:
+            part = sl[:]
+        else:
+            n = self.dest.shape[self.dim]
+            start, stop = self.index * n, min((self.index + 1) * n, shape[self.dim])
+            if stop - start < n and not self.pad:
+                raise ValueError(
+                    f"{self.name}: dimension {self.dim} of size {shape[self.dim]} has no part {self.index} "
+                    f"of size {n}"
+                )
+            idx = [slice(None)] * len(shape)
+            idx[self.dim] = slice(start, max(start, stop))
+            part = sl[tuple(idx)]
+            if stop - start < n:
+                full = torch.zeros(self.dest.shape, dtype=part.dtype)
+                full.narrow(self.dim, 0, part.shape[self.dim]).copy_(part)
+                part = full
+        if part.shape != self.dest.shape:
+            raise ValueError(
+                f"{self.name}: the checkpoint's tensor {shape} gives {tuple(part.shape)} on this rank, "
+                f"but the model's parameter is {tuple(self.dest.shape)}"
+            )
+        return part
+
+
+class CheckpointReader:
+    """A Hugging Face safetensors checkpoint, single-file or sharded; files opened lazily and only
+    the slices asked for read."""
+
+    def __init__(self, model_dir: str | Path):
+        self.dir = Path(model_dir)
+        index = self.dir / "model.safetensors.index.json"
+        if index.exists():
+            self.file_of = json.loads(index.read_text())["weight_map"]
+        else:
+            files = sorted(self.dir.glob("*.safetensors"))
+            if not files:
+                raise FileNotFoundError(
+                    f"no weights in {self.dir}: expected *.safetensors files (or model.safetensors.index.json)"
+                )
+            self.file_of = {}
+            for f in files:
+                with safe_open(f, "pt") as h:
+                    self.file_of.update(dict.fromkeys(h.keys(), f.name))
+        self._handles: dict[str, object] = {}
+
+    def slice(self, name: str):
+        if name not in self.file_of:
+            raise KeyError(f"tensor {name!r} not found in checkpoint {self.dir}")
+        fname = self.file_of[name]
+        if fname not in self._handles:
+            self._handles[fname] = safe_open(self.dir / fname, "pt")
+        return self._handles[fname].get_slice(name)
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+@torch.no_grad()
+def load_weights(weights: list[Weight], model_dir: str | Path, show_progress: bool) -> None:
+    """Reads every entry's part of the checkpoint into its destination (cast to its dtype)."""
+    reader = CheckpointReader(model_dir)
+    try:
+        for w in tqdm(weights, desc="Loading weights", unit="tensor", disable=not show_progress):
+            w.dest.copy_(w.read(reader))
+    finally:
+        reader.close()

@@ -1,0 +1,309 @@
+"""The loop every rank runs, in lockstep with every other rank (docs/design.md, section 3):
+
+1. the group leader drains its request socket and schedules a `GroupBatch`;
+2. the batch is shared with every rank of the group;
+3. every rank exchanges its group's `GroupSizes` with all groups and derives the same
+   `StepLayout` (padding mode, bucket); when every group is idle no forward runs;
+4. the forward joins every WORLD collective, idle groups with zero rows;
+5. the leader samples, updates its requests and reports to the front end
+   (NEXTN then drafts: the same share / exchange / forward for the MTP layer).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+import zmq
+from tqdm import tqdm
+
+from dpserve.config import EngineConfig
+from dpserve.distributed import Groups, init_groups
+from dpserve.models.config import ModelConfig
+from dpserve.scheduler.request import GenerateRequest
+from dpserve.scheduler.scheduler import Scheduler
+from dpserve.step.exchange import exchange, share
+from dpserve.step.padding import calibrate
+from dpserve.step.records import MODES, GroupBatch, StepLayout
+from dpserve.worker.drafter import NextNDrafter
+from dpserve.worker.model_runner import ModelRunner
+from dpserve.worker.sampler import sample
+
+# An idle instance blocks in its leaders' sockets instead of stepping: the front end wakes every
+# group's leader whenever a request arrives (`WorkerPool.send(..., wake_all=True)`), so the wait
+# only bounds how often an idle instance checks in, never a request's latency.
+IDLE_WAIT_MS = 500
+STEP_LOG_LEN = 100_000
+# What a rank reports when ready (weight_bytes: its parameters and buffers; activation_bytes: the
+# peak measured at start-up, GPU only).
+RANK_FIGURES = ("max_total_num_tokens", "kv_bytes_per_token", "weight_bytes", "activation_bytes")
+
+logger = logging.getLogger("dpserve.worker")
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One forward step as a group leader saw it (the accounting behind benchmarks)."""
+
+    kind: str  # the largest mode over the groups: extend, verify (speculative drafts), decode
+    local_mode: str  # this group's mode: extend, decode or idle
+    padding_mode: str  # sum_len or max_len
+    tokens: tuple[int, ...]  # real tokens of every DP group
+    mlp_rows: int  # rows the MoE/MLP processed (real + padding)
+    seconds: float  # the whole step: scheduling, inputs, forward, sampling
+    real_rows: int  # real tokens of all groups (the MoE rows without padding)
+    padded: bool  # padded to a decode bucket (a CUDA graph replay on GPU); False: unpadded, eager
+    retractions: int = 0  # requests this group retracted to make room for the step
+    slots_written: int = 0  # request-to-slot table entries this group wrote (host work of the step)
+    forward_seconds: float = 0.0  # the model's share of `seconds` (without drafting); the rest is host work
+    draft_seconds: float = 0.0  # NEXTN: the MTP forwards after the step (part of `seconds`)
+    expert_imbalance: float = 1.0  # MoE rows of the busiest rank over the mean rank's (1: balanced)
+
+
+@dataclass(frozen=True)
+class WorkerAddresses:
+    dist_init: list[str]  # host:port for torch.distributed, per instance
+    requests: list[str]  # ZMQ address per DP group (front end -> group leader)
+    outputs: str  # ZMQ address of the front end's collector (every rank -> front end)
+
+
+def run_worker(rank: int, cfg: EngineConfig, addrs: WorkerAddresses) -> None:
+    """Process entry point for global rank `rank`; reports failures to the front end before exiting."""
+    logging.basicConfig(level=cfg.log_level.upper(), format=f"[rank {rank}] %(levelname)s %(message)s")
+    _leave_signals_to_front_end()
+    # tqdm's default lock is a multiprocessing semaphore: a rank killed or exiting at once would leak it.
+    tqdm.set_lock(threading.RLock())
+    if cfg.device == "cpu":
+        # The node's cores shared out between its ranks: more threads than cores only thrash.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.ranks_per_node))
+    ctx = zmq.Context()
+    out = ctx.socket(zmq.PUSH)
+    out.connect(addrs.outputs)
+    try:
+        Worker(rank, cfg, addrs, ctx, out).serve()
+    except BaseException as e:  # the front end must learn of every failure, never hang
+        logger.exception("failed")
+        out.send_pyobj(
+            {
+                "type": "error",
+                "rank": rank,
+                "error": f"{type(e).__name__}: {e}",
+                "traceback": traceback.format_exc(),
+            }
+        )
+        # The message is only queued: closing the context waits (up to the linger) until it is sent.
+        out.close(linger=5000)
+        ctx.term()
+        os._exit(1)
+    out.close(linger=2000)
+    ctx.term()
+
+
+def _leave_signals_to_front_end() -> None:
+    """Ctrl-C or a SIGTERM sent to the whole process group must reach the front end only, which
+    then stops every rank in order; a rank dies with its parent so it is never left orphaned."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if sys.platform == "linux":
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+class Worker:
+    """One rank: its model runner, and on a group leader the group's scheduler and sockets."""
+
+    def __init__(
+        self, rank: int, cfg: EngineConfig, addrs: WorkerAddresses, ctx: zmq.Context, out: zmq.Socket
+    ):
+        instance, topo = cfg.rank_topology(rank)
+        self.dp_rank = rank // cfg.attn_tp_size  # global DP rank: a group of DP attention or a replica
+        model_cfg = ModelConfig.load(cfg.model_path)
+        model_cfg.validate(cfg)
+        self.groups: Groups = init_groups(topo, cfg.device, addrs.dist_init[instance])
+        device = torch.device("cpu")
+        if cfg.device == "cuda":
+            device = torch.device("cuda", rank % cfg.ranks_per_node % torch.cuda.device_count())
+            torch.cuda.set_device(device)
+        self.runner = runner = ModelRunner(cfg, model_cfg, self.groups, device)
+        if cfg.dp_padding_mode == "auto" and topo.dp_size > 1:
+            runner.policy.cost = calibrate(runner.idle_step, topo, device, self.groups.world_cpu)
+        self.drafter = None
+        if runner.model.mtp is not None:
+            self.drafter = NextNDrafter(
+                runner.model,
+                runner.req_to_token,
+                runner.policy,
+                runner.max_total_num_tokens,
+                cfg.speculative_num_steps,
+                model_cfg.context_len,
+            )
+        self.out, self.scheduler, self.requests = out, None, None
+        if topo.is_group_leader:
+            self.scheduler = Scheduler(
+                self.dp_rank,
+                runner.max_total_num_tokens,
+                cfg.max_running_requests,
+                cfg.chunked_prefill_size,
+                model_cfg.context_len,
+                model_cfg.vocab_size,
+                model_cfg.eos_token_ids,
+                cfg.random_seed,
+                radix_cache=not cfg.disable_radix_cache,
+                device=device,
+                num_drafts=cfg.num_drafts,
+                speculative_algorithm=cfg.speculative_algorithm or "NGRAM",
+            )
+            self.requests = ctx.socket(zmq.PULL)
+            self.requests.connect(addrs.requests[self.dp_rank])
+        self.step_counts = {"steps_eager": 0, "steps_padded": 0}
+        self.step_log: deque[StepRecord] = deque(maxlen=STEP_LOG_LEN)
+        moes = runner.model.moe_layers
+        # Rows per expert of every MoE layer since the front end last asked ([layers, experts]).
+        self.expert_load = torch.zeros(len(moes), moes[0].gate.shape[0] if moes else 0, dtype=torch.long)
+        self.report = StepReport(self.dp_rank)
+        figures = {k: getattr(runner, k) for k in RANK_FIGURES}
+        out.send_pyobj(
+            {"type": "ready", "rank": rank, "dp_rank": self.dp_rank, **figures, "stats": self._stats()}
+        )
+
+    def serve(self) -> None:
+        idle, shutdown = True, False
+        while True:
+            start = time.perf_counter()
+            batch = None
+            if self.scheduler is not None:  # 1. the leader schedules
+                self.report = StepReport(self.dp_rank)
+                shutdown |= self._drain(wait_ms=IDLE_WAIT_MS if idle else 0)
+                batch = self.scheduler.schedule()
+                batch.shutdown = shutdown
+                self.report.cached = self.scheduler.admitted
+            batch: GroupBatch = share(batch, self.groups)  # 2. the group shares it
+            sizes = exchange(batch.sizes(self.runner.policy.can_pad(batch)), self.groups)  # 3. all agree
+            if any(s.shutdown for s in sizes):
+                break
+            idle = not any(s.tokens for s in sizes)
+            if not idle:
+                layout = self.runner.policy.step_layout(sizes)
+                logits = self.runner.forward(batch, layout)  # 4. the forward
+                self._finish_step(batch, layout, logits, MODES[max(s.mode for s in sizes)], start)
+            if self.scheduler is not None and (self.report.changed or batch.reqs):
+                self.out.send_pyobj(self.report.message(self._stats()))
+        logger.info("shutting down")
+        if self.groups.world is not None:
+            torch.distributed.destroy_process_group()
+
+    def _finish_step(
+        self, batch: GroupBatch, layout: StepLayout, logits: torch.Tensor, kind: str, start: float
+    ) -> None:
+        """5. The leader samples; NEXTN drafts on every rank; the leader logs the step."""
+        s = self.scheduler
+        if s is not None and batch.reqs:
+            samples = sample(logits, *s.sampling_inputs()) if batch.num_logit_rows else ([], [], [])
+            self.report.add(*s.process_samples(*samples))
+        if self.drafter is not None:
+            draft_batch = share(s.draft_batch if s else None, self.groups)
+            sizes = exchange(draft_batch.sizes(self.drafter.num_steps, self.drafter.context_len), self.groups)
+            drafts = self.drafter.run(draft_batch, sizes, self.runner.hidden)
+            if s is not None:
+                s.set_drafts(drafts)
+        load = self.runner.take_expert_load()  # every rank: a collective under all_to_all
+        if s is None:
+            return
+        imbalance = 1.0
+        if load is not None:
+            self.expert_load += load
+            ep = load.shape[1] // self.runner.model.moe_layers[0].num_experts  # ranks owning experts
+            per_rank = load.view(load.shape[0], ep, -1).sum((0, 2))
+            imbalance = float(per_rank.max() / per_rank.float().mean()) if per_rank.sum() else 1.0
+            self.report.expert_imbalance.append(imbalance)
+        self.step_counts["steps_padded" if layout.padded else "steps_eager"] += 1
+        self.step_log.append(
+            StepRecord(
+                kind=kind,
+                local_mode=batch.mode,
+                padding_mode=layout.mode,
+                tokens=layout.tokens,
+                mlp_rows=layout.mlp_rows,
+                seconds=time.perf_counter() - start,
+                forward_seconds=self.runner.forward_seconds,
+                real_rows=layout.total_tokens,
+                padded=layout.padded,
+                retractions=s.step_retractions,
+                slots_written=self.runner.slots_written,
+                draft_seconds=self.drafter.seconds if self.drafter else 0.0,
+                expert_imbalance=imbalance,
+            )
+        )
+
+    def _stats(self) -> dict:
+        return {**self.scheduler.stats(), **self.step_counts} if self.scheduler else {}
+
+    def _drain(self, wait_ms: int) -> bool:
+        """Takes every pending message; returns True when asked to shut down."""
+        shutdown = False
+        while self.requests.poll(wait_ms):
+            wait_ms = 0
+            msg = self.requests.recv_pyobj()
+            self.report.changed = True
+            output = None
+            if isinstance(msg, GenerateRequest):
+                output = self.scheduler.add(msg)  # an error output if it can never run
+            elif msg["type"] == "abort":
+                output = self.scheduler.abort(msg["rid"])
+            elif msg["type"] == "wake":  # another group has work: join its steps
+                pass
+            elif msg["type"] == "get_expert_load":
+                self.out.send_pyobj(
+                    {"type": "expert_load", "dp_rank": self.dp_rank, "load": self.expert_load}
+                )
+                self.expert_load = torch.zeros_like(self.expert_load)
+            elif msg["type"] == "get_step_log":
+                self.out.send_pyobj(
+                    {"type": "step_log", "dp_rank": self.dp_rank, "steps": list(self.step_log)}
+                )
+                self.step_log.clear()
+            elif msg["type"] == "flush_cache":
+                self.scheduler.flush_cache()
+            elif msg["type"] == "shutdown":
+                shutdown = True
+            if output is not None:
+                self.report.finished.append(output)
+        return shutdown
+
+
+class StepReport:
+    """What a group leader tells the front end after a step: new tokens (for streaming), finished
+    requests, and its load (for routing and /metrics). One message per step that changed anything."""
+
+    def __init__(self, dp_rank: int):
+        self.dp_rank = dp_rank
+        self.tokens: list[tuple[str, int, float, list]] = []  # (rid, token, logprob, top alternatives)
+        self.expert_imbalance: list[float] = []  # each MoE step's (for /metrics' histogram)
+        self.cached: list[tuple[str, int]] = []  # (rid, prompt tokens found cached) of new admissions
+        self.finished: list[dict] = []
+        self.changed = False
+
+    def add(self, tokens: list[tuple[str, int, float, list]], finished: list[dict]) -> None:
+        self.tokens += tokens
+        self.finished += finished
+        self.changed = True
+
+    def message(self, stats: dict) -> dict:
+        return {
+            "type": "step",
+            "dp_rank": self.dp_rank,
+            "tokens": self.tokens,
+            "cached": self.cached,
+            "expert_imbalance": self.expert_imbalance,
+            "finished": self.finished,
+            "stats": stats,
+        }
