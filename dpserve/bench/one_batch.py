@@ -20,6 +20,7 @@ import numpy as np
 from tqdm import tqdm
 
 from dpserve import Engine
+from dpserve.bench.roofline import Machine, decode_floor, engine_model
 from dpserve.cli import HelpFormatter, add_engine_args, engine_kwargs, positive_int
 
 FIRST_PROMPT_ID = 3  # ids below are special tokens (bos, eos, pad) in dpserve's test checkpoints
@@ -51,6 +52,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=4,
         help="new tokens per request of the unmeasured warm-up batch run before each batch size; 0 skips it",
+    )
+    p.add_argument(
+        "--floor",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="measure this machine's floor of each decode step (dpserve.bench.roofline) and print the "
+        "step's ratio to it",
     )
     p.add_argument("--result-file", default=None, help="append one JSON line per batch size to this file")
     p.add_argument(
@@ -153,18 +161,26 @@ def report(r: dict) -> str:
             f"median throughput: {fmt(r['median_decode_throughput'], '9.2f')} token/s "
             f"({r['decode_steps']} full-batch steps, {r['decode_padded_steps']} padded), "
             f"host work {fmt(r['median_decode_host_latency'], '6.5f')} s",
+            f"Floor. {fmt(r.get('floor_latency'), '6.5f')} s measured on this machine "
+            f"(dpserve.bench.roofline): the decode step is {fmt(step_over_floor(r), '.2f')}x the floor",
             f"Total. latency: {r['total_latency']:6.3f} s, "
             f"throughput: {r['overall_throughput']:9.2f} token/s",
         ]
     )
 
 
+def step_over_floor(r: dict) -> float | None:
+    if r.get("floor_latency") and r["median_decode_latency"]:
+        return r["median_decode_latency"] / r["floor_latency"]
+    return None
+
+
 def table(results: list[dict]) -> str:
     header = (
         "| tp | dp | attn_tp | batch | prefill (ms) | prefill tok/s | decode step (ms) | decode host (ms) "
-        "| decode tok/s | MoE rows/step | KV capacity |"
+        "| floor (ms) | step / floor | decode tok/s | MoE rows/step | KV capacity |"
     )
-    rows = [header, "|" + "---:|" * 11]
+    rows = [header, "|" + "---:|" * 13]
     for r in results:
         cells = [
             r["tp_size"],
@@ -175,6 +191,8 @@ def table(results: list[dict]) -> str:
             fmt(r["prefill_throughput"], ".1f"),
             fmt(r["median_decode_latency"], ".2f", 1e3),
             fmt(r["median_decode_host_latency"], ".2f", 1e3),
+            fmt(r.get("floor_latency"), ".2f", 1e3),
+            fmt(step_over_floor(r), ".2f"),
             fmt(r["median_decode_throughput"], ".1f"),
             fmt(r["median_decode_mlp_rows"], "g"),
             r["kv_capacity"],
@@ -187,6 +205,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
     results = []
+    floors = {}
+    if args.floor:  # measured before the engine starts, so that its ranks do not share the cores
+        model, model_cfg, cfg = engine_model(args.model_path, args.dtype, args.device)
+        machine = Machine(cfg.torch_dtype, cfg.device)
+        context = args.input_len + args.output_len / 2  # the mean KV length over the decode steps
+        floors = {b: decode_floor(model, model_cfg, machine, b, context) for b in args.batch_size}
     with Engine(**engine_kwargs(args)) as engine:
         info = engine.get_server_info()
         capacities = [r["max_total_num_tokens"] for r in info["dp_ranks"]]
@@ -201,6 +225,8 @@ def main(argv: list[str] | None = None) -> None:
         }
         for batch in tqdm(args.batch_size, desc="batch sizes", unit="batch"):
             r = {**setup, **run_batch(engine, args, batch)}
+            if batch in floors:
+                r["floor_latency"] = floors[batch].seconds
             tqdm.write(report(r))
             results.append(r)
             if args.expert_load:
