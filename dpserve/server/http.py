@@ -14,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from dpserve.sampling_params import SamplingParams
+from dpserve.server.admission import Admission
 from dpserve.server.metrics import CONTENT_TYPE
 from dpserve.server.openai_api import OpenAIServing
 from dpserve.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequestBody
@@ -43,8 +44,11 @@ def _validation_message(exc: RequestValidationError) -> str:
     return "; ".join(parts)
 
 
-def create_app(tm: TokenizerManager, model_name: str) -> FastAPI:
+def create_app(tm: TokenizerManager, model_name: str, admission: Admission | None = None):
+    """The FastAPI app behind `admission`'s checks (API key, body size, shedding, draining)."""
+    admission = admission or Admission()
     openai = OpenAIServing(tm, model_name)
+    tm.metrics_registry.watch_admission(admission.figures)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -82,6 +86,7 @@ def create_app(tm: TokenizerManager, model_name: str) -> FastAPI:
             "served_model_name": model_name,
             "worker_pids": pids,  # this node's ranks
             **tm.front.metrics(),
+            **admission.figures(),
         }
 
     @app.get("/get_model_info")
@@ -137,7 +142,7 @@ def create_app(tm: TokenizerManager, model_name: str) -> FastAPI:
             openai.check_model(body.model)
         return await native_generate(tm, body, request)
 
-    return app
+    return admission.middleware(app)
 
 
 def _native_params(d: dict | None, body: GenerateRequestBody) -> tuple[SamplingParams, list[str]]:
