@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 GENERATION_PATHS = frozenset({"/generate", "/v1/completions", "/v1/chat/completions"})
 RETRY_AFTER_S = 1  # what a shed request is told to wait
 DEFAULT_MAX_REQUEST_BYTES = 32 << 20  # far above a context-length prompt sent as token ids
+DRAIN_BYTES = 1 << 20  # of a body over the limit: read and dropped before the 413
 ERROR_TYPES = {
     401: "authentication_error",
     413: "invalid_request_error",
@@ -41,6 +42,7 @@ class Admission:
         return {
             "requests_in_flight": self.in_flight,
             "max_queued_requests": self.max_queued_requests,
+            "max_request_bytes": self.max_request_bytes,
             "draining": self.draining,
             "rejected_requests": dict(self.rejected),
         }
@@ -112,22 +114,25 @@ class Admission:
         return None
 
     async def _read_body(self, headers: dict, receive) -> bytes | None:
-        """The whole body, or None as soon as it is known to exceed the limit (from Content-Length,
-        or counted as it arrives)."""
+        """The whole body, or None once it is known to exceed the limit (from Content-Length, or
+        counted as it arrives). A body over the limit is never kept; up to DRAIN_BYTES of it are
+        read and dropped so that the client, still sending, can read the 413 (closing a socket
+        with unread data resets the connection); a larger one is cut off."""
         length = headers.get(b"content-length", b"")
-        if length.isdigit() and int(length) > self.max_request_bytes:
+        if length.isdigit() and int(length) > self.max_request_bytes + DRAIN_BYTES:
             return None
-        body = bytearray()
-        more = True
+        body, size, more = bytearray(), 0, True
         while more:
             message = await receive()
             if message["type"] != "http.request":  # the client left: the app finds out
                 break
-            body += message.get("body", b"")
-            more = message.get("more_body", False)
-            if len(body) > self.max_request_bytes:
+            chunk, more = message.get("body", b""), message.get("more_body", False)
+            size += len(chunk)
+            if size > self.max_request_bytes + DRAIN_BYTES:
                 return None
-        return bytes(body)
+            if size <= self.max_request_bytes:
+                body += chunk
+        return bytes(body) if size <= self.max_request_bytes else None
 
 
 def _replay(body: bytes, receive):

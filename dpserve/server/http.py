@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -84,6 +85,7 @@ def create_app(tm: TokenizerManager, model_name: str, admission: Admission | Non
             **tm.info,
             "model_path": tm.cfg.model_path,
             "served_model_name": model_name,
+            "pid": os.getpid(),  # the HTTP server's
             "worker_pids": pids,  # this node's ranks
             **tm.front.metrics(),
             **admission.figures(),
