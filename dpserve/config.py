@@ -234,6 +234,21 @@ class EngineConfig:
         "HOST:PORT of node 0 for torch.distributed (required with --nnodes > 1; one node: a free "
         "local port); ports PORT..PORT+instances+dp are used",
     )
+    watchdog_timeout: float = option(
+        300.0,
+        "seconds after which a hung rank stops the engine (stacks of the live ranks logged, requests "
+        "in flight answered 503 naming the rank, exit 1). A rank hangs when it is silent (no heartbeat "
+        "for this long: its heartbeat thread runs beside the computation, so a rank busy computing "
+        "still sends them; a stopped process does not) or when one of its step-loop iterations "
+        "(schedule, share, forward, sample) runs this long; an idle iteration ends within 0.5 s, a "
+        "step with work within its own compute time, so keep this far above the longest prefill chunk",
+        section="faults",
+    )
+    dist_timeout: float = option(
+        600.0,
+        "seconds a torch.distributed collective (and the process-group start-up) may wait for its "
+        "peers before it fails; above --watchdog-timeout, which names the hung rank first",
+    )
     random_seed: int = option(0, "seed of sampling without a per-request seed", section="other")
     log_level: str = option("warning", "log level of every process", choices=LOG_LEVELS)
 
@@ -260,6 +275,10 @@ class EngineConfig:
             raise ValueError(
                 f"the {self.world_size} ranks (tp={tp} x {self.num_instances} instance(s)) cannot be "
                 f"split evenly over nnodes={self.nnodes}"
+            )
+        if self.watchdog_timeout <= 0 or self.dist_timeout <= 0:
+            raise ValueError(
+                f"watchdog_timeout ({self.watchdog_timeout}) and dist_timeout ({self.dist_timeout}) must be > 0"
             )
         if self.cuda_graph_bs is not None:
             self.cuda_graph_bs = sorted(set(self.cuda_graph_bs))

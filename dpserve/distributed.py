@@ -55,8 +55,9 @@ class Groups:
     attn_tp_cpu: dist.ProcessGroup | None
 
 
-def init_groups(topo: Topology, device: str, init_addr: str, timeout_s: float = 3600) -> Groups:
-    """Joins the job and builds every process group; all ranks must call this together."""
+def init_groups(topo: Topology, device: str, init_addr: str, timeout_s: float) -> Groups:
+    """Joins the job and builds every process group; all ranks must call this together. A
+    collective waits up to `timeout_s` for its peers."""
     if topo.tp_size == 1:
         return Groups(topo, None, None, None, None)
     backend = "nccl" if device == "cuda" else "gloo"

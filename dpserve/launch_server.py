@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import socket
 import sys
 
-from dpserve.cli import HelpFormatter, add_engine_args, engine_kwargs
+from dpserve.cli import HelpFormatter, add_engine_args, engine_kwargs, positive_int
 from dpserve.config import EngineConfig
+from dpserve.server.admission import DEFAULT_MAX_REQUEST_BYTES, Admission
 
 logger = logging.getLogger("dpserve")
 
@@ -30,6 +32,32 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--port", type=int, default=30000, help="HTTP port")
     srv.add_argument(
         "--served-model-name", default=None, help="model name in the API (default: --model-path)"
+    )
+    srv.add_argument(
+        "--api-key",
+        default=os.environ.get("DPSERVE_API_KEY"),
+        help="every endpoint but /health requires 'Authorization: Bearer KEY' (else 401); default: "
+        "the environment variable DPSERVE_API_KEY, unset: no key",
+    )
+    srv.add_argument(
+        "--max-request-bytes",
+        type=positive_int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help="a larger request body gets 413, refused before it is read whole (default: 32 MiB)",
+    )
+    srv.add_argument(
+        "--max-queued-requests",
+        type=positive_int,
+        default=None,
+        help="generation requests the server holds at once (waiting or running); beyond it a new one gets "
+        "503 with Retry-After and those admitted are untouched (default: unbounded)",
+    )
+    srv.add_argument(
+        "--graceful-shutdown-timeout",
+        type=float,
+        default=0.0,
+        help="on SIGTERM: stop admitting (503, /health fails), let the requests in flight finish for up to "
+        "this many seconds, abort the rest, exit 0 (default 0: abort at once)",
     )
     plan = p.add_argument_group("planning")
     plan.add_argument(
@@ -82,7 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     except WorkerFailure as e:
         logger.error("a worker failed at start-up: %s", e)
         return 1
-    return serve(tm, sock, args.served_model_name or args.model_path, args.log_level)
+    admission = Admission(args.api_key, args.max_request_bytes, args.max_queued_requests)
+    name = args.served_model_name or args.model_path
+    return serve(tm, sock, name, args.log_level, admission, args.graceful_shutdown_timeout)
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -98,20 +128,35 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(tm, sock: socket.socket, model_name: str, log_level: str) -> int:
-    """Runs HTTP on `sock` until SIGTERM/SIGINT (exit 0) or a worker failure (exit 1)."""
+def serve(
+    tm, sock: socket.socket, model_name: str, log_level: str, admission: Admission, grace_s: float = 0.0
+) -> int:
+    """Runs HTTP on `sock` until SIGTERM/SIGINT (exit 0; with `grace_s` > 0 the requests in flight
+    get that long to finish first) or a worker failure (exit 1)."""
     import uvicorn
 
     from dpserve.server.http import create_app
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame) -> None:
+            if grace_s > 0 and not admission.draining:  # a second signal stops at once
+                admission.draining = True
+                logger.info("draining: up to %g s for %d request(s) in flight", grace_s, admission.in_flight)
+                tm.run_soon(drain)
+                return
             # End the streams in flight so that the graceful shutdown does not wait on them.
             tm.abort_all_soon("the server is shutting down")
             super().handle_exit(sig, frame)
 
+    async def drain() -> None:
+        if not await admission.drained(grace_s):
+            logger.warning("%d request(s) still in flight after %g s: aborted", admission.in_flight, grace_s)
+        tm.abort_all("the server is shutting down")
+        server.should_exit = True
+
     host, port = sock.getsockname()[:2]
-    server = Server(uvicorn.Config(create_app(tm, model_name), host=host, port=port, log_level=log_level))
+    app = create_app(tm, model_name, admission)
+    server = Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
     tm.on_failure = lambda: setattr(server, "should_exit", True)
     # uvicorn re-raises a caught SIGTERM/SIGINT after shutting down; with these handlers in place
     # that re-raise is a no-op and the process exits with our code instead of dying by the signal.

@@ -15,10 +15,13 @@ import contextlib
 import dataclasses
 import logging
 import multiprocessing as mp
+import multiprocessing.connection
+import os
 import shutil
 import signal
 import socket
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -26,11 +29,13 @@ import zmq
 
 from dpserve.config import EngineConfig
 from dpserve.models.gguf import resolve_model_path
-from dpserve.worker.loop import WorkerAddresses, run_worker
+from dpserve.worker.loop import STACK_DUMP_SIGNAL, WorkerAddresses, heartbeat_interval, run_worker
 
 logger = logging.getLogger("dpserve")
 
 POLL_MS = 100
+STACK_DUMP_GRACE_S = 1.0
+FAILED_NODE_GRACE_S = 10.0  # a node whose rank failed: how long the others get to exit  # after the watchdog trips: time for the ranks to write their stacks
 
 
 class WorkerFailure(RuntimeError):
@@ -104,22 +109,66 @@ def start_ranks(cfg: EngineConfig, addrs: WorkerAddresses) -> list[mp.Process]:
     return procs
 
 
-def stop_ranks(procs: list[mp.Process], timeout: float = 10) -> None:
+def stop_ranks(procs: list[mp.Process], timeout: float | None = 10) -> None:
+    """Waits up to `timeout` seconds in all (None: forever) for the ranks to exit, then kills the rest."""
+    deadline = None if timeout is None else time.monotonic() + timeout
     for p in procs:
-        p.join(timeout=timeout)
+        p.join(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
     for p in procs:
         if p.is_alive():
             p.kill()
             p.join()
 
 
+class Watchdog:
+    """What the ranks' heartbeats say (`Heartbeat` in worker/loop.py): the rule behind
+    --watchdog-timeout. A rank heard from before is silent once no heartbeat came for `timeout`
+    seconds while the front end was listening; a rank's step stalls once its current step-loop
+    iteration has run for `timeout` plus two heartbeats (by then the rank has logged its stacks)."""
+
+    def __init__(self, timeout: float):
+        self.timeout = timeout
+        self.interval = heartbeat_interval(timeout)
+        self.heard: dict[int, float] = {}  # rank -> when its latest heartbeat arrived
+        self.step_age: dict[int, float] = {}  # rank -> its iteration's age in that heartbeat
+        self.listening_since = time.monotonic()
+        self._left = time.monotonic()  # when the front end last stopped listening
+
+    def beat(self, rank: int, step_age: float, now: float) -> None:
+        self.heard[rank] = now
+        self.step_age[rank] = step_age
+
+    def listen(self, now: float) -> None:
+        """The front end starts reading: heartbeats sent while it was away (an idle Engine) may have
+        been dropped, so silence counts from now."""
+        if now - self._left > self.interval:
+            self.listening_since = now
+
+    def leave(self, now: float) -> None:
+        self._left = now
+
+    def silent(self, now: float) -> list[tuple[int, float]]:
+        """(rank, seconds unheard) of the ranks silent for `timeout` seconds."""
+        return [
+            (r, now - t)
+            for r, t in sorted(self.heard.items())
+            if now - max(t, self.listening_since) >= self.timeout
+        ]
+
+    def stalled(self) -> list[tuple[int, float]]:
+        """(rank, seconds in its current iteration, as its latest heartbeat said) of the ranks stuck
+        in a step."""
+        return [(r, a) for r, a in sorted(self.step_age.items()) if a >= self.timeout + 2 * self.interval]
+
+
 class WorkerPool:
     """Node 0's view of the workers: starts them, a request socket per DP group, one output
-    collector; `recv` raises WorkerFailure when a rank failed or died."""
+    collector; `recv` raises WorkerFailure when a rank failed, died or hung (`Watchdog`)."""
 
     def __init__(self, cfg: EngineConfig):
         self.cfg = cfg
         self.closed = True
+        self.watchdog = Watchdog(cfg.watchdog_timeout)
         self._dir = Path(tempfile.mkdtemp(prefix="dpserve-"))
         bind, connect = worker_addresses(cfg, self._dir)
         self._zmq = zmq.Context()
@@ -160,17 +209,47 @@ class WorkerPool:
         Raises WorkerFailure when a rank reported an error or a local rank died."""
         if self.closed:
             raise RuntimeError("the engine is shut down")
-        waited = 0
-        while not self._outputs.poll(POLL_MS):
-            waited += POLL_MS
-            if self.dead_ranks() and not self._outputs.poll(POLL_MS):
-                self._fail("")
-            if timeout_ms is not None and waited >= timeout_ms:
-                return None
-        msg = self._outputs.recv_pyobj()
-        if msg["type"] == "error":
-            self._fail(f"worker rank {msg['rank']} failed: {msg['error']}\n{msg['traceback']}")
-        return msg
+        self.watchdog.listen(time.monotonic())
+        try:
+            return self._recv(timeout_ms)
+        finally:
+            self.watchdog.leave(time.monotonic())
+
+    def _recv(self, timeout_ms: int | None) -> dict | None:
+        deadline = None if timeout_ms is None else time.monotonic() + timeout_ms / 1000
+        while True:
+            if not self._outputs.poll(POLL_MS):
+                if self.dead_ranks() and not self._outputs.poll(POLL_MS):
+                    self._fail("")
+                self._check_watchdog()
+                if deadline is not None and time.monotonic() >= deadline:
+                    return None
+                continue
+            msg = self._outputs.recv_pyobj()
+            if msg["type"] == "error":
+                self._fail(f"worker rank {msg['rank']} failed: {msg['error']}\n{msg['traceback']}")
+            if msg["type"] != "heartbeat":
+                return msg
+            self.watchdog.beat(msg["rank"], msg["step_age"], time.monotonic())
+            self._check_watchdog()
+
+    def _check_watchdog(self) -> None:
+        now, timeout = time.monotonic(), self.cfg.watchdog_timeout
+        silent = self.watchdog.silent(now)
+        if silent:
+            # A stopped process cannot write its stack: the live ones are asked for theirs.
+            quiet = {str(r) for r, _ in silent}
+            for p in self.procs:
+                if p.is_alive() and p.name.removeprefix("dpserve-rank") not in quiet:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(p.pid, STACK_DUMP_SIGNAL)
+            ranks = ", ".join(f"worker rank {r} is silent (no heartbeat for {t:.1f} s)" for r, t in silent)
+            self._fail(f"watchdog: {ranks}; --watchdog-timeout {timeout:g} s", grace=STACK_DUMP_GRACE_S)
+        stalled = self.watchdog.stalled()
+        if stalled:
+            # Each stalled rank has written its own stack by now.
+            ranks = ", ".join(f"worker rank {r} is stuck in a step for {t:.1f} s" for r, t in stalled)
+            self._fail(f"watchdog: {ranks}; --watchdog-timeout {timeout:g} s", grace=STACK_DUMP_GRACE_S)
 
     def dead_ranks(self) -> list[str]:
         return [
@@ -179,22 +258,24 @@ class WorkerPool:
             if p.exitcode
         ]
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float = 10) -> None:
+        """Asks the ranks to stop; kills those still running after `timeout` seconds."""
         if self.closed:
             return
         self.closed = True
         for sock in self._requests:
             with contextlib.suppress(zmq.Again):  # a leader that is gone is killed below
                 sock.send_pyobj({"type": "shutdown"}, flags=zmq.NOBLOCK)
-        stop_ranks(self.procs)
+        stop_ranks(self.procs, timeout)
         self._zmq.destroy(linger=0)
         shutil.rmtree(self._dir, ignore_errors=True)
 
-    def _fail(self, reported: str) -> None:
+    def _fail(self, reported: str, grace: float = 10) -> None:
         # A rank killed from outside reports nothing; its peers then fail in a collective.
-        # Name the dead ranks first: they are the cause.
+        # Name the dead ranks first: they are the cause. `grace`: seconds the ranks get to exit
+        # (a hung one never does).
         cause = "; ".join(filter(None, [*self.dead_ranks(), reported]))
-        self.shutdown()
+        self.shutdown(grace)
         logger.error("shutting down: %s", cause)
         raise WorkerFailure(cause)
 
@@ -217,7 +298,10 @@ def run_node(cfg: EngineConfig) -> int:
             p.terminate()
 
     signal.signal(signal.SIGTERM, terminate)
-    stop_ranks(procs, timeout=None)
+    # Once a rank failed its peers fail in their collectives; one that hangs (stopped) is killed.
+    while any(p.exitcode is None for p in procs) and not any(p.exitcode for p in procs):
+        mp.connection.wait([p.sentinel for p in procs if p.exitcode is None])
+    stop_ranks(procs, timeout=None if not any(p.exitcode for p in procs) else FAILED_NODE_GRACE_S)
     codes = [p.exitcode for p in procs]
     if any(codes):
         logger.error("node %d: ranks exited with codes %s", cfg.node_rank, codes)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -14,6 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from dpserve.sampling_params import SamplingParams
+from dpserve.server.admission import Admission
 from dpserve.server.metrics import CONTENT_TYPE
 from dpserve.server.openai_api import OpenAIServing
 from dpserve.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequestBody
@@ -43,8 +45,11 @@ def _validation_message(exc: RequestValidationError) -> str:
     return "; ".join(parts)
 
 
-def create_app(tm: TokenizerManager, model_name: str) -> FastAPI:
+def create_app(tm: TokenizerManager, model_name: str, admission: Admission | None = None):
+    """The FastAPI app behind `admission`'s checks (API key, body size, shedding, draining)."""
+    admission = admission or Admission()
     openai = OpenAIServing(tm, model_name)
+    tm.metrics_registry.watch_admission(admission.figures)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -80,8 +85,10 @@ def create_app(tm: TokenizerManager, model_name: str) -> FastAPI:
             **tm.info,
             "model_path": tm.cfg.model_path,
             "served_model_name": model_name,
+            "pid": os.getpid(),  # the HTTP server's
             "worker_pids": pids,  # this node's ranks
             **tm.front.metrics(),
+            **admission.figures(),
         }
 
     @app.get("/get_model_info")
@@ -137,7 +144,7 @@ def create_app(tm: TokenizerManager, model_name: str) -> FastAPI:
             openai.check_model(body.model)
         return await native_generate(tm, body, request)
 
-    return app
+    return admission.middleware(app)
 
 
 def _native_params(d: dict | None, body: GenerateRequestBody) -> tuple[SamplingParams, list[str]]:

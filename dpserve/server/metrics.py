@@ -74,6 +74,16 @@ FRONT_END = [
     ("aborted_requests", "counter", "Sequences aborted (client gone, stop string, shutdown)", "aborted"),
 ]
 
+# The HTTP layer's admission (server/admission.py): what it holds and what it refused.
+ADMISSION = [
+    (
+        "requests_in_flight",
+        "gauge",
+        "Generation requests admitted and not answered yet (waiting or running); --max-queued-requests bounds it",
+        "requests_in_flight",
+    ),
+]
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, float("inf"))
 
 
@@ -94,6 +104,28 @@ class _Snapshot(Collector):
             for r in m["dp_ranks"]:
                 family.add_metric([str(r["dp_rank"])], r[key])
             yield family
+
+
+class _AdmissionSnapshot(Collector):
+    def __init__(self, figures: Callable[[], dict]):
+        self.figures = figures
+
+    def collect(self) -> Iterator[Metric]:
+        m = self.figures()
+        for name, kind, text, key in ADMISSION:
+            family = _family(kind, name, text, [])
+            family.add_metric([], m[key])
+            yield family
+        family = _family(
+            "counter",
+            "rejected_requests",
+            "Requests refused before any work: overloaded and draining (503), unauthorized (401), "
+            "too_large (413)",
+            ["reason"],
+        )
+        for reason, count in m["rejected_requests"].items():
+            family.add_metric([reason], count)
+        yield family
 
 
 def _family(kind: str, name: str, text: str, labels: list[str]) -> Metric:
@@ -127,6 +159,10 @@ class ServerMetrics:
             registry=self.registry,
             buckets=(1.0, 1.1, 1.25, 1.5, 2, 3, 4, 8, float("inf")),
         )
+
+    def watch_admission(self, figures: Callable[[], dict]) -> None:
+        """Exposes the HTTP admission's figures (requests in flight, refusals by reason)."""
+        self.registry.register(_AdmissionSnapshot(figures))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

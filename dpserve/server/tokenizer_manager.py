@@ -89,6 +89,7 @@ class TokenizerManager:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
+        self._tasks: set[asyncio.Task] = set()  # kept referenced until the loop ends
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -108,6 +109,11 @@ class TokenizerManager:
         """abort_all from any thread or signal handler: run by the event loop."""
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self.abort_all, message)
+
+    def run_soon(self, coroutine_fn) -> None:
+        """Runs `coroutine_fn()` as a task of the event loop, from any thread or signal handler."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(lambda: self._tasks.add(self._loop.create_task(coroutine_fn())))
 
     def abort_all(self, message: str) -> None:
         """Ends every request in flight (server shutdown) and frees their KV."""

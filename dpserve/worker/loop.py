@@ -11,7 +11,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import faulthandler
 import logging
 import os
 import signal
@@ -43,6 +45,8 @@ from dpserve.worker.sampler import sample
 # only bounds how often an idle instance checks in, never a request's latency.
 IDLE_WAIT_MS = 500
 STEP_LOG_LEN = 100_000
+# The watchdog's signal to a live rank: write every thread's Python stack to stderr (the log).
+STACK_DUMP_SIGNAL = signal.SIGUSR1
 # What a rank reports when ready (weight_bytes: its parameters and buffers; activation_bytes: the
 # peak measured at start-up, GPU only).
 RANK_FIGURES = ("max_total_num_tokens", "kv_bytes_per_token", "weight_bytes", "activation_bytes")
@@ -88,10 +92,12 @@ def run_worker(rank: int, cfg: EngineConfig, addrs: WorkerAddresses) -> None:
     ctx = zmq.Context()
     out = ctx.socket(zmq.PUSH)
     out.connect(addrs.outputs)
+    heartbeat = Heartbeat(rank, cfg.watchdog_timeout, ctx, addrs.outputs)
     try:
-        Worker(rank, cfg, addrs, ctx, out).serve()
+        Worker(rank, cfg, addrs, ctx, out, heartbeat).serve()
     except BaseException as e:  # the front end must learn of every failure, never hang
         logger.exception("failed")
+        heartbeat.stop()
         out.send_pyobj(
             {
                 "type": "error",
@@ -104,6 +110,7 @@ def run_worker(rank: int, cfg: EngineConfig, addrs: WorkerAddresses) -> None:
         out.close(linger=5000)
         ctx.term()
         os._exit(1)
+    heartbeat.stop()
     out.close(linger=2000)
     ctx.term()
 
@@ -113,22 +120,72 @@ def _leave_signals_to_front_end() -> None:
     then stops every rank in order; a rank dies with its parent so it is never left orphaned."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    faulthandler.register(STACK_DUMP_SIGNAL, all_threads=True)
     if sys.platform == "linux":
         PR_SET_PDEATHSIG = 1
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def heartbeat_interval(watchdog_timeout: float) -> float:
+    """Seconds between a rank's heartbeats: a tenth of the watchdog's timeout, at most 1 s."""
+    return min(1.0, watchdog_timeout / 10)
+
+
+class Heartbeat:
+    """A thread of the rank's own that tells the front end every `heartbeat_interval` seconds that
+    the rank is alive and how long its current step-loop iteration has run (the watchdog's two
+    signals). Torch ops and collectives release the GIL, so a rank busy computing keeps beating; a
+    stopped or frozen process falls silent. An iteration past the timeout writes this rank's stacks
+    to the log once (a rank on another node than the front end can only do it itself)."""
+
+    def __init__(self, rank: int, timeout: float, ctx: zmq.Context, address: str):
+        self.rank, self.timeout, self.interval = rank, timeout, heartbeat_interval(timeout)
+        self.step_start: float | None = None  # monotonic start of the iteration running now
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, args=(ctx, address), name="dpserve-heartbeat", daemon=True
+        )
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join()
+
+    def _run(self, ctx: zmq.Context, address: str) -> None:
+        sock = ctx.socket(zmq.PUSH)  # a socket of its own: zmq sockets are not thread-safe
+        sock.connect(address)
+        dumped_for = None
+        while not self._stopped.wait(self.interval):
+            start = self.step_start
+            age = 0.0 if start is None else time.monotonic() - start
+            if age >= self.timeout and dumped_for != start:
+                dumped_for = start
+                logger.error("a step has run for %.1f s (watchdog timeout %g s); stacks:", age, self.timeout)
+                faulthandler.dump_traceback(all_threads=True)
+            # Never block: a front end that is not reading (an idle Engine) lets the queue fill.
+            with contextlib.suppress(zmq.Again):
+                sock.send_pyobj({"type": "heartbeat", "rank": self.rank, "step_age": age}, flags=zmq.NOBLOCK)
+        sock.close(linger=0)
 
 
 class Worker:
     """One rank: its model runner, and on a group leader the group's scheduler and sockets."""
 
     def __init__(
-        self, rank: int, cfg: EngineConfig, addrs: WorkerAddresses, ctx: zmq.Context, out: zmq.Socket
+        self,
+        rank: int,
+        cfg: EngineConfig,
+        addrs: WorkerAddresses,
+        ctx: zmq.Context,
+        out: zmq.Socket,
+        heartbeat: Heartbeat,
     ):
         instance, topo = cfg.rank_topology(rank)
+        self.heartbeat = heartbeat
         self.dp_rank = rank // cfg.attn_tp_size  # global DP rank: a group of DP attention or a replica
         model_cfg = ModelConfig.load(cfg.model_path)
         model_cfg.validate(cfg)
-        self.groups: Groups = init_groups(topo, cfg.device, addrs.dist_init[instance])
+        self.groups: Groups = init_groups(topo, cfg.device, addrs.dist_init[instance], cfg.dist_timeout)
         device = torch.device("cpu")
         if cfg.device == "cuda":
             device = torch.device("cuda", rank % cfg.ranks_per_node % torch.cuda.device_count())
@@ -179,6 +236,7 @@ class Worker:
         idle, shutdown = True, False
         while True:
             start = time.perf_counter()
+            self.heartbeat.step_start = time.monotonic()
             batch = None
             if self.scheduler is not None:  # 1. the leader schedules
                 self.report = StepReport(self.dp_rank)
@@ -197,6 +255,7 @@ class Worker:
                 self._finish_step(batch, layout, logits, MODES[max(s.mode for s in sizes)], start)
             if self.scheduler is not None and (self.report.changed or batch.reqs):
                 self.out.send_pyobj(self.report.message(self._stats()))
+        self.heartbeat.step_start = None
         logger.info("shutting down")
         if self.groups.world is not None:
             torch.distributed.destroy_process_group()

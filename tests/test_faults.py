@@ -1,0 +1,252 @@
+"""Faults, overload and access (real processes, real sockets): the watchdog for a stopped rank (server
+and offline Engine), load shedding, the API key and body limit, the graceful stop, and a 30-second
+soak of mixed traffic that must lose and leak nothing."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from dpserve import Engine
+from dpserve.engine.worker_pool import Watchdog, WorkerFailure
+from dpserve.testing.server import ServerProcess
+
+KEY = "sk-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+BODY_LIMIT = 4096
+SLOW = 300  # tokens of a request that stays in flight for a while (hundreds of decode steps)
+WATCHDOG_S = 5
+STACK_LINE = "(most recent call first)"  # faulthandler's header of each thread's stack
+
+
+def layout(model: str) -> list[str]:
+    return ["--model-path", model, "--tp", "2", "--dp", "2", "--enable-dp-attention", "--dtype", "float32"]
+
+
+@pytest.fixture(scope="module")
+def model(model_dirs) -> str:
+    return model_dirs["deepseek_v2"]
+
+
+def test_watchdog_tells_silent_from_busy():
+    """The decision rule: a rank computing a long step keeps beating and trips only past the
+    timeout; a silent one trips after the timeout; silence while nobody listened does not count."""
+    dog = Watchdog(timeout=300)
+    t0 = dog.listening_since
+    dog.beat(0, step_age=0.0, now=t0)
+    dog.beat(1, step_age=0.0, now=t0)
+    for second in range(1, 300):  # a 299-second step: rank 0 beats throughout
+        dog.beat(0, step_age=float(second), now=t0 + second)
+    assert dog.stalled() == []  # 299 s < 300: a long step is not a hang
+    assert [r for r, _ in dog.silent(t0 + 299)] == []  # rank 1 was heard at t0: 299 s < 300
+    assert [r for r, _ in dog.silent(t0 + 300)] == [1]
+    dog.beat(0, step_age=300 + 2 * dog.interval, now=t0 + 302)
+    assert [r for r, _ in dog.stalled()] == [0]
+    idle = Watchdog(timeout=5)
+    idle.beat(0, step_age=0.0, now=idle.listening_since)
+    idle.leave(idle.listening_since)
+    idle.listen(idle.listening_since + 60)  # an Engine idle for a minute starts reading again
+    assert idle.silent(idle.listening_since + 4) == []
+    assert [r for r, _ in idle.silent(idle.listening_since + 5)] == [0]
+
+
+# --- a server with an API key, a body limit, a queue limit and a graceful stop -------------------
+
+
+@pytest.fixture(scope="module")
+def guarded(model, engine_cache):
+    engine_cache.close()  # two cores: no idle engine's ranks beside the server
+    args = ["--api-key", KEY, "--max-request-bytes", str(BODY_LIMIT), "--max-queued-requests", "2"]
+    args += ["--graceful-shutdown-timeout", "120", "--log-level", "info"]
+    with ServerProcess(*layout(model), *args) as srv:
+        yield srv
+
+
+ENDPOINTS = [
+    ("GET", "/get_server_info"),
+    ("GET", "/server_info"),
+    ("GET", "/get_model_info"),
+    ("GET", "/get_load"),
+    ("GET", "/metrics"),
+    ("GET", "/v1/models"),
+    ("POST", "/flush_cache"),
+    ("POST", "/generate"),
+    ("POST", "/v1/completions"),
+    ("POST", "/v1/chat/completions"),
+]
+
+
+def test_api_key_guards_every_endpoint_but_health(guarded, model):
+    for method, path in ENDPOINTS:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+            r = httpx.request(method, f"{guarded.url}{path}", headers=headers, json={})
+            assert r.status_code == 401, (path, headers, r.text)
+            assert r.json()["error"]["type"] == "authentication_error"
+            assert r.headers["www-authenticate"] == "Bearer"
+    assert httpx.get(f"{guarded.url}/health").text == "ok"
+    assert httpx.get(f"{guarded.url}/get_load", headers=AUTH).status_code == 200
+    client = OpenAI(base_url=f"{guarded.url}/v1", api_key=KEY)
+    out = client.completions.create(model=model, prompt="hi", max_tokens=3, extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 3
+    with pytest.raises(Exception, match="401"):
+        OpenAI(base_url=f"{guarded.url}/v1", api_key="wrong").models.list()
+
+
+def test_oversized_body_gets_413_unread(guarded, model):
+    big = {"model": model, "prompt": "x" * BODY_LIMIT, "max_tokens": 1}
+    r = httpx.post(f"{guarded.url}/v1/completions", json=big, headers=AUTH)
+    assert r.status_code == 413 and "--max-request-bytes 4096" in r.json()["error"]["message"]
+
+    def chunks():  # no Content-Length: counted as it arrives
+        yield b'{"prompt": "'
+        for _ in range(10):
+            yield b"x" * 1000
+        yield b'"}'
+
+    r = httpx.post(f"{guarded.url}/generate", content=chunks(), headers=AUTH)
+    assert r.status_code == 413
+    info = httpx.get(f"{guarded.url}/get_server_info", headers=AUTH).json()
+    assert info["rejected_requests"]["too_large"] == 2
+
+
+def open_stream(url: str, body: dict):
+    """A streaming request whose first event has arrived (so it is running); the caller reads on."""
+    cm = httpx.stream("POST", url, json=body, headers=AUTH, timeout=300)
+    r = cm.__enter__()
+    assert r.status_code == 200, r.read()
+    lines = r.iter_lines()
+    first = next(line for line in lines if line.startswith("data: "))
+    return cm, first, lines
+
+
+def test_queue_limit_sheds_the_third(guarded, model):
+    slow = {"model": model, "prompt": "a story", "max_tokens": SLOW, "ignore_eos": True, "stream": True}
+    slow |= {"stream_options": {"include_usage": True}}
+    native = {"input_ids": [7, 8, 9, 10], "sampling_params": {"max_new_tokens": SLOW, "temperature": 0.0}}
+    native["sampling_params"]["ignore_eos"] = True
+    first_cm, _, first_lines = open_stream(f"{guarded.url}/v1/completions", slow)
+    second_cm, second_first, second_lines = open_stream(f"{guarded.url}/generate", {**native, "stream": True})
+    shed = [httpx.post(f"{guarded.url}/v1/completions", json=slow, headers=AUTH) for _ in range(2)]
+    info = httpx.get(f"{guarded.url}/get_server_info", headers=AUTH).json()
+    metrics = httpx.get(f"{guarded.url}/metrics", headers=AUTH).text
+    first_events = [json.loads(x.removeprefix("data: ")) for x in first_lines if x.startswith("data: {")]
+    second_events = [second_first, *(x for x in second_lines if x.startswith("data: {"))]
+    first_cm.__exit__(None, None, None)
+    second_cm.__exit__(None, None, None)
+    for r in shed:
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert r.json()["error"] == {
+            "message": "the server is overloaded: 2 requests in flight (--max-queued-requests 2); retry later",
+            "type": "service_unavailable",
+            "code": 503,
+        }
+    assert (info["requests_in_flight"], info["max_queued_requests"]) == (2, 2)
+    assert info["rejected_requests"]["overloaded"] == 2
+    assert 'dpserve_rejected_requests_total{reason="overloaded"} 2.0' in metrics
+    assert "dpserve_requests_in_flight 2.0" in metrics
+    # The admitted ones finish whole: all their tokens, the same as the request run alone.
+    assert first_events[-1]["usage"]["completion_tokens"] == SLOW
+    assert first_events[-2]["choices"][0]["finish_reason"] == "length"
+    streamed = json.loads(second_events[-1].removeprefix("data: "))
+    alone = httpx.post(f"{guarded.url}/generate", json=native, headers=AUTH, timeout=300).json()
+    assert streamed["meta_info"]["finish_reason"]["type"] == "length"
+    assert streamed["output_ids"] == alone["output_ids"] and len(alone["output_ids"]) == SLOW
+
+
+def test_graceful_stop_finishes_the_request_in_flight(guarded, model):
+    body = {"model": model, "prompt": "a story", "max_tokens": SLOW, "ignore_eos": True, "stream": True}
+    body |= {"stream_options": {"include_usage": True}}
+    cm, _, lines = open_stream(f"{guarded.url}/v1/completions", body)
+    guarded.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    while httpx.get(f"{guarded.url}/health").status_code != 503:  # draining has begun
+        assert time.monotonic() < deadline
+    refused = httpx.post(f"{guarded.url}/v1/completions", json=body, headers=AUTH)
+    events = [json.loads(x.removeprefix("data: ")) for x in lines if x.startswith("data: {")]
+    cm.__exit__(None, None, None)
+    assert refused.status_code == 503 and "admits no new requests" in refused.json()["error"]["message"]
+    assert events[-1]["usage"]["completion_tokens"] == SLOW
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+    assert guarded.wait(60) == 0
+    assert "shut down cleanly" in guarded.output
+
+
+# --- a server with a 5-second watchdog: 30 s of soak, then a rank stopped -----------------------
+
+
+@pytest.fixture(scope="module")
+def watched(model, engine_cache):
+    engine_cache.close()
+    args = ["--watchdog-timeout", str(WATCHDOG_S), "--max-request-bytes", "65536", "--log-level", "info"]
+    with ServerProcess(*layout(model), *args) as srv:
+        yield srv
+
+
+def test_soak_30s_loses_and_leaks_nothing(watched):
+    cmd = [sys.executable, "-m", "dpserve.bench.soak", "--base-url", watched.url, "--duration", "30"]
+    cmd += ["--concurrency", "4", "--warmup", "10", "--seed", "1"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "violations: 0" in run.stdout
+    assert "watchdog" not in watched.output  # 30 s of steps under a 5 s watchdog: never tripped
+
+
+def test_stopped_rank_gets_503_stacks_and_exit_1(watched):
+    pid = httpx.get(f"{watched.url}/get_server_info").json()["worker_pids"]["1"]
+    body = {"input_ids": [5] * 10, "sampling_params": {"max_new_tokens": 480, "ignore_eos": True}}
+    answer: dict = {}
+
+    def request() -> None:
+        answer["r"] = httpx.post(f"{watched.url}/generate", json=body, timeout=120)
+
+    thread = threading.Thread(target=request)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not any(g["num_reqs"] for g in httpx.get(f"{watched.url}/get_load").json()):  # in flight
+        assert time.monotonic() < deadline
+    try:
+        stopped = time.monotonic()
+        os.kill(pid, signal.SIGSTOP)
+        code = watched.wait(WATCHDOG_S + 30)
+        detected = time.monotonic() - stopped
+        thread.join()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    assert code == 1 and detected < WATCHDOG_S + 30
+    r = answer["r"]
+    assert r.status_code == 503
+    assert "worker rank 1 is silent" in r.json()["error"]["message"]
+    # Rank 0's stack: waiting for rank 1 in a collective.
+    assert STACK_LINE in watched.output and "dpserve/distributed.py" in watched.output
+    assert f"watchdog: worker rank 1 is silent (no heartbeat for {WATCHDOG_S}." in watched.output
+
+
+def test_offline_engine_raises_for_a_stopped_worker(model, engine_cache):
+    engine_cache.close()
+    engine = Engine(
+        model_path=model, tp_size=2, dp_size=2, enable_dp_attention=True, device="cpu", watchdog_timeout=3
+    )
+    pid = engine.front.workers.procs[1].pid
+    try:
+        assert (
+            len(engine.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 2})["output_ids"])
+            >= 1
+        )
+        os.kill(pid, signal.SIGSTOP)
+        with pytest.raises(WorkerFailure, match="worker rank 1 is silent"):
+            engine.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 400, "ignore_eos": True})
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        engine.shutdown()
