@@ -1,7 +1,9 @@
 """Static batch latency benchmark, modelled on SGLang's bench_one_batch but run through dpserve's Engine.
 
 For each batch size, one batch of random prompts is prefilled and then decoded to a fixed length; the
-latencies come from the engine's per-step timings, so they cover the forward and sampling only.
+latencies come from the engine's per-step timings, so they cover the forward and sampling only. The
+bytes a rank sends per step are those its collectives counted (`StepRecord.comm_bytes`), averaged
+over the DP groups' leaders (every rank when each group has one rank).
 
     python -m dpserve.bench.one_batch --model-path /tmp/tiny_v2 --tp 2 --dp 2 --enable-dp-attention \\
         --batch-size 1 8 32 --input-len 128 --output-len 32
@@ -113,9 +115,13 @@ def run_batch(engine: Engine, args: argparse.Namespace, batch: int) -> dict:
     start = time.perf_counter()
     engine.generate(input_ids=prompts, sampling_params={**greedy, "max_new_tokens": args.output_len})
     total = time.perf_counter() - start
-    steps = engine.get_step_log()[0]  # all groups step in lockstep, so group 0 logs every step
+    logs = engine.get_step_log()
+    steps = logs[0]  # all groups step in lockstep, so group 0 logs every step
+    sent = [statistics.mean(s.comm_bytes for s in group_steps) for group_steps in zip(*logs, strict=True)]
     prefill = [s for s in steps if s.kind == "extend"]
     decode = [s for s in steps if s.kind == "decode" and sum(s.tokens) == batch]
+    prefill_sent = [b for s, b in zip(steps, sent, strict=True) if s.kind == "extend"]
+    decode_sent = [b for s, b in zip(steps, sent, strict=True) if s in decode]
     prefill_latency = sum(s.seconds for s in prefill)
     # Empty only if early requests decoded alone for the whole output length while others still waited.
     decode_latency = statistics.median(s.seconds for s in decode) if decode else None
@@ -134,6 +140,9 @@ def run_batch(engine: Engine, args: argparse.Namespace, batch: int) -> dict:
         "median_decode_host_latency": host_latency,
         "median_decode_mlp_rows": statistics.median(s.mlp_rows for s in decode) if decode else None,
         "decode_padded_steps": sum(s.padded for s in decode),
+        # bytes a rank sends per step (mean over the groups' leaders): median prefill step, decode step
+        "median_prefill_comm_bytes": statistics.median(prefill_sent) if prefill else None,
+        "median_decode_comm_bytes": statistics.median(decode_sent) if decode else None,
         "total_latency": total,
         "overall_throughput": (args.input_len + args.output_len) * batch / total,
     }
@@ -153,6 +162,8 @@ def report(r: dict) -> str:
             f"median throughput: {fmt(r['median_decode_throughput'], '9.2f')} token/s "
             f"({r['decode_steps']} full-batch steps, {r['decode_padded_steps']} padded), "
             f"host work {fmt(r['median_decode_host_latency'], '6.5f')} s",
+            f"Bytes sent per rank. prefill step: {fmt(r['median_prefill_comm_bytes'], '.0f')}, "
+            f"decode step: {fmt(r['median_decode_comm_bytes'], '.0f')} (medians)",
             f"Total. latency: {r['total_latency']:6.3f} s, "
             f"throughput: {r['overall_throughput']:9.2f} token/s",
         ]
@@ -162,9 +173,9 @@ def report(r: dict) -> str:
 def table(results: list[dict]) -> str:
     header = (
         "| tp | dp | attn_tp | batch | prefill (ms) | prefill tok/s | decode step (ms) | decode host (ms) "
-        "| decode tok/s | MoE rows/step | KV capacity |"
+        "| decode tok/s | MoE rows/step | prefill KiB/rank | decode KiB/rank | KV capacity |"
     )
-    rows = [header, "|" + "---:|" * 11]
+    rows = [header, "|" + "---:|" * 13]
     for r in results:
         cells = [
             r["tp_size"],
@@ -177,6 +188,8 @@ def table(results: list[dict]) -> str:
             fmt(r["median_decode_host_latency"], ".2f", 1e3),
             fmt(r["median_decode_throughput"], ".1f"),
             fmt(r["median_decode_mlp_rows"], "g"),
+            fmt(r["median_prefill_comm_bytes"], ".1f", 1 / 1024),
+            fmt(r["median_decode_comm_bytes"], ".1f", 1 / 1024),
             r["kv_capacity"],
         ]
         rows.append("| " + " | ".join(map(str, cells)) + " |")
