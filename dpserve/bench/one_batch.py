@@ -17,6 +17,7 @@ import logging
 import math
 import statistics
 import time
+from dataclasses import asdict
 
 import numpy as np
 from tqdm import tqdm
@@ -143,6 +144,11 @@ def run_batch(engine: Engine, args: argparse.Namespace, batch: int) -> dict:
         # bytes a rank sends per step (mean over the groups' leaders): median prefill step, decode step
         "median_prefill_comm_bytes": statistics.median(prefill_sent) if prefill else None,
         "median_decode_comm_bytes": statistics.median(decode_sent) if decode else None,
+        # every step as group 0 logged it, with the bytes each group's leader sent
+        "steps": [
+            {**asdict(s), "comm_bytes_by_group": [g.comm_bytes for g in group_steps]}
+            for s, group_steps in zip(steps, zip(*logs, strict=True), strict=True)
+        ],
         "total_latency": total,
         "overall_throughput": (args.input_len + args.output_len) * batch / total,
     }

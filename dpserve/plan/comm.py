@@ -37,7 +37,8 @@ class Collective:
     kind: str  # all_reduce, reduce_scatter, all_gather, all_to_all
     group: str  # "world" (every rank) or "attn" (the DP group's ATTN_TP ranks)
     sent: int  # bytes this rank sends
-    part: str  # "layers" (gather/scatter around each MLP), "dispatch" (all_to_all), "lm_head"
+    # "layers" (gather/scatter around each MLP), "counts" and "dispatch" (all_to_all), "lm_head"
+    part: str
 
 
 def forward_collectives(
@@ -80,7 +81,7 @@ def forward_collectives(
             if layout.padded:
                 out_pairs = in_pairs = (t - 1) * m * min(mlp.top_k, mlp.num_experts)  # capacity slots
             else:
-                add("all_to_all", "world", (t - 1) * ID_BYTES, "dispatch")
+                add("all_to_all", "world", (t - 1) * ID_BYTES, "counts")
                 pairs = m * mlp.top_k * (t - 1) // t
                 out_pairs, in_pairs = dispatched or (pairs, pairs)
             add("all_to_all", "world", out_pairs * row, "dispatch")

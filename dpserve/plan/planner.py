@@ -33,6 +33,9 @@ from dpserve.step.records import StepLayout, round_up
 # models): fixed per step, per layer by part, per routed expert the sparse path visits.
 OPS_STEP = 60
 OPS_MLA, OPS_GQA, OPS_MLP, OPS_MOE, OPS_EXPERT, OPS_LAYER = 110, 52, 6, 30, 12, 22
+# GPU: an unpadded all_to_all step reads the exchanged counts on the host once per MoE layer (the
+# split sizes of the dispatch), draining the stream: an assumption, listed in GPU_ASSUMPTIONS.
+A2A_COUNTS_SYNC_S = 50e-6
 
 
 @dataclass
@@ -174,6 +177,8 @@ class StepModel:
         t_coll = sum(self._coll(x) for x in colls)
         # fixed costs
         fixed = p.step_overhead + p.layer_overhead * L
+        if not p.is_cpu and not layout.padded:
+            fixed += A2A_COUNTS_SYNC_S * sum(x.part == "counts" for x in colls)
         if p.is_cpu:
             ops = OPS_STEP + L * OPS_LAYER
             for layer_is_moe in self._layer_kinds():
