@@ -2,6 +2,9 @@
 
 rank r:  dp_rank = r // A,  attn_tp_rank = r % A,  A = tp / dp
 groups:  WORLD (MoE/MLP/LM head), ATTN_TP per DP group, and gloo CPU groups for metadata.
+
+The model's collectives count the bytes this rank sends (`SENT`), from the shapes alone (no device
+sync), as ring algorithms move them (`ring_bytes`); all-to-all counts the rows that leave the rank.
 """
 
 from __future__ import annotations
@@ -15,6 +18,27 @@ import torch.distributed as dist
 # torch 2.13 renamed the tensor-in/tensor-out collectives; older releases have only the old names.
 _all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+
+def ring_bytes(kind: str, nbytes: int, world: int) -> int:
+    """Bytes one rank sends in a ring collective over `world` ranks: all_reduce of an `nbytes` tensor
+    2 (world - 1) / world of it, reduce_scatter (nbytes: its input) and all_gather (nbytes: its output)
+    (world - 1) / world. The planner predicts with the same function."""
+    if world <= 1:
+        return 0
+    return (2 if kind == "all_reduce" else 1) * (world - 1) * nbytes // world
+
+
+@dataclass
+class SentBytes:
+    """Bytes this process has sent in the collectives below since it started (the step metadata of
+    `all_gather_ints` and `broadcast_object` excepted); a step's share is the difference around it.
+    A CUDA graph's replay adds what its capture counted."""
+
+    total: int = 0
+
+
+SENT = SentBytes()
 
 
 @dataclass(frozen=True)
@@ -82,6 +106,7 @@ def init_groups(topo: Topology, device: str, init_addr: str, timeout_s: float) -
 
 def all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     if group is not None:
+        SENT.total += ring_bytes("all_reduce", x.nbytes, dist.get_world_size(group))
         dist.all_reduce(x, group=group)
     return x
 
@@ -90,6 +115,12 @@ def all_gather(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor
     """Concatenates every rank's `x` along dim 0, in rank order."""
     if group is None:
         return x
+    out = _all_gather(x, group)
+    SENT.total += ring_bytes("all_gather", out.nbytes, dist.get_world_size(group))
+    return out
+
+
+def _all_gather(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     out = x.new_empty((x.shape[0] * dist.get_world_size(group), *x.shape[1:]))
     _all_gather_single(out, x.contiguous(), group=group)
     return out
@@ -99,7 +130,9 @@ def reduce_scatter(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Te
     """Sums `x` over the group and returns this rank's equal slice of dim 0."""
     if group is None:
         return x
-    out = x.new_empty((x.shape[0] // dist.get_world_size(group), *x.shape[1:]))
+    world = dist.get_world_size(group)
+    SENT.total += ring_bytes("reduce_scatter", x.nbytes, world)
+    out = x.new_empty((x.shape[0] // world, *x.shape[1:]))
     _reduce_scatter_single(out, x.contiguous(), group=group)
     return out
 
@@ -111,6 +144,8 @@ def all_to_all(
     out_splits[i] from each rank i, in rank order."""
     if group is None:
         return x
+    leaving = sum(in_splits) - in_splits[dist.get_rank(group)]
+    SENT.total += leaving * (x.nbytes // max(x.shape[0], 1))
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
     dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
     return out
@@ -127,5 +162,5 @@ def broadcast_object(obj: object, src: int, group: dist.ProcessGroup | None) -> 
 
 def all_gather_ints(values: list[int], group: dist.ProcessGroup | None) -> torch.Tensor:
     """All-gathers a short int vector over a CPU group: returns [world, len(values)]."""
-    t = torch.tensor(values, dtype=torch.int64)
-    return all_gather(t.unsqueeze(0), group)
+    t = torch.tensor(values, dtype=torch.int64).unsqueeze(0)
+    return t if group is None else _all_gather(t, group)

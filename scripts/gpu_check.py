@@ -9,6 +9,10 @@ suite covers the rest, including these kernels in Triton's interpreter. Prints o
 3. NEXTN speculative decoding on the trained tiny DeepSeek-V3 (6 layers; verify steps replay the
    decode graphs, one row per token): greedy outputs identical with and without drafts, accept
    length, decode speed-up at batch 1.
+4. Expert parallelism over NCCL at (tp, dp) = (2,2) (two GPUs: NCCL takes one per rank; skipped on one):
+   --ep-size 2 with --moe-a2a-backend none and all_to_all, decode graphs captured (all_to_all's
+   fixed-capacity dispatch inside them), greedy outputs equal to TP MoE's (float32), and the bytes
+   each rank counted per step (graph replays included) equal to the planner's.
 
     bash scripts/gpu_check.sh
 """
@@ -27,6 +31,8 @@ from dpserve.attention.backend import AttentionMetadata
 from dpserve.attention.sdpa import SdpaBackend
 from dpserve.attention.triton_backend import TritonBackend
 from dpserve.layers.fused_moe import fused_experts
+from dpserve.plan.comm import forward_bytes, logged_layout
+from dpserve.plan.layouts import meta_model
 from dpserve.testing.tiny_models import write_tiny_model
 
 DEV = torch.device("cuda")
@@ -171,6 +177,47 @@ def nextn() -> None:
     print(f"NEXTN batch 1: {seconds[0] * 1e3:.1f} vs {seconds[1] * 1e3:.1f} ms of decode steps", flush=True)
 
 
+def expert_parallel() -> None:
+    """TP MoE, EP `none` and EP `all_to_all` at (2,2) on the tiny DeepSeek-V3 in float32, graphs on."""
+    if torch.cuda.device_count() < 2:
+        print(f"EP skipped: NCCL needs one GPU per rank, {torch.cuda.device_count()} here", flush=True)
+        return
+    prompts = [[3 + (11 * b + i) % 250 for i in range(8 + 5 * b)] for b in range(6)]
+    params = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
+    outputs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(write_tiny_model("deepseek_v3", f"{tmp}/v3"))
+        for label, kwargs in (
+            ("TP MoE", {}),
+            ("EP none", {"ep_size": 2}),
+            ("EP all_to_all", {"ep_size": 2, "moe_a2a_backend": "all_to_all"}),
+        ):
+            options = dict(tp_size=2, dp_size=2, enable_dp_attention=True, dp_padding_mode="sum_len")
+            with Engine(model_path=path, dtype="float32", **options, **kwargs) as engine:
+                engine.get_step_log()
+                out = engine.generate(input_ids=prompts, sampling_params=params)
+                outputs[label] = [o["output_ids"] for o in out]
+                logs = engine.get_step_log()
+                model = meta_model(engine.model_cfg, engine.cfg)
+                replays = [s for s in logs[0] if s.padded]
+                # every rank leads its group at (2,2); unpadded all_to_all steps depend on the routing
+                exact = [
+                    steps for steps in zip(*logs, strict=True) if steps[0].padded or "all_to_all" not in label
+                ]
+                equal = all(
+                    s.comm_bytes == forward_bytes(model, logged_layout(s, g, 1))
+                    for steps in exact
+                    for g, s in enumerate(steps)
+                )
+            check(
+                f"{label} graphs", bool(replays), f"{len(replays)} of {len(logs[0])} steps replayed a graph"
+            )
+            check(f"{label} bytes", equal, f"{len(exact)} steps' bytes per rank equal the planner's")
+    for label in ("EP none", "EP all_to_all"):
+        same = outputs[label] == outputs["TP MoE"]
+        check(f"{label} vs TP MoE", same, "6 requests, 24 greedy tokens, float32")
+
+
 def main() -> None:
     assert torch.cuda.is_available(), "gpu_check needs a GPU"
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
@@ -178,6 +225,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         engines("tiny DeepseekV2", str(write_tiny_model("deepseek_v2", f"{tmp}/v2")))
     nextn()
+    expert_parallel()
     try:
         from dpserve.models.gguf import resolve_model_path
 

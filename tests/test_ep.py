@@ -7,6 +7,7 @@ rank; start-up errors."""
 from __future__ import annotations
 
 import re
+from dataclasses import fields
 
 import pytest
 import torch
@@ -17,6 +18,8 @@ from conftest import GREEDY, SMALL_POOL, assert_expert_load, assert_matches_refe
 from dpserve import Engine
 from dpserve.engine.worker_pool import free_port
 from dpserve.layers.ep_dispatch import dispatch_combine
+from dpserve.plan.comm import ID_BYTES, forward_bytes, logged_layout
+from dpserve.plan.layouts import Layout, layout_memory, meta_model
 from dpserve.testing.reference import hf_greedy_reference
 from dpserve.testing.trained_mtp import synthetic_sequences, trained_mtp_model
 
@@ -66,6 +69,8 @@ def test_ep_greedy_matches_reference(engine_cache, model_dirs, prompts, referenc
     logs = engine.get_step_log()
     assert any(s.padded for s in logs[0]) != options.get("disable_cuda_graph", False)
     assert_expert_load(engine, logs[0])  # every group logs every step
+    assert_comm_bytes_planned(engine, logs)
+    assert_memory_planned(engine)
     # One request alone: the other groups join every dispatch with zero rows.
     alone = engine.generate(input_ids=prompts[1], sampling_params=GREEDY, return_logprob=True)
     assert alone["output_ids"] == outputs[1]["output_ids"]
@@ -76,6 +81,51 @@ def test_ep_greedy_matches_reference(engine_cache, model_dirs, prompts, referenc
     assert_matches_reference(
         again, hf_greedy_reference(model_dirs[arch], diverging, len(outputs[0]["output_ids"]))
     )
+
+
+def assert_memory_planned(engine) -> None:
+    """The planner's weights per rank, KV bytes per token and KV tokens per group of this EP layout
+    equal the started engine's (as tests/test_plan.py checks for TP MoE)."""
+    cfg = engine.cfg
+    moe = "ep-a2a" if cfg.moe_a2a_backend == "all_to_all" else "ep"
+    layout = Layout(cfg.tp_size, cfg.dp_size, cfg.enable_dp_attention, moe)
+    planned = (
+        "model_path",
+        "tp_size",
+        "dp_size",
+        "enable_dp_attention",
+        "ep_size",
+        "moe_a2a_backend",
+        "device",
+    )
+    options = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name not in planned}
+    mem = layout_memory(layout, cfg.model_path, engine.model_cfg, "cpu", 0, options)
+    assert mem.valid, mem.error
+    for rank in engine.get_server_info()["dp_ranks"]:
+        assert rank["weight_bytes"] == mem.weight_bytes
+        assert rank["kv_bytes_per_token"] == mem.kv_bytes_per_token
+        assert rank["max_total_num_tokens"] == mem.kv_tokens_per_group
+
+
+def assert_comm_bytes_planned(engine, logs) -> None:
+    """The bytes each group leader counted in every step equal the planner's, collective by
+    collective. all_to_all's unpadded steps move the pairs their routing sends to other ranks, which
+    the planner cannot know: with every rank a leader, the counted bytes over the ranks exceed the
+    planner's without any such pair by a whole number of pairs (each out with its id, and back)."""
+    cfg = engine.cfg
+    model = meta_model(engine.model_cfg, cfg)
+    a = cfg.attn_tp_size
+    pair = 2 * cfg.torch_dtype.itemsize * engine.model_cfg.hidden_size + ID_BYTES
+    for steps in zip(*logs, strict=True):
+        counted, planned = [], []
+        for g, s in enumerate(steps):
+            counted.append(s.comm_bytes)
+            planned.append(forward_bytes(model, logged_layout(s, g, a), dispatched=(0, 0)))
+        if cfg.moe_a2a_backend == "all_to_all" and not steps[0].padded:
+            extra = sum(counted) - sum(planned)
+            assert extra >= 0 and (a > 1 or extra % pair == 0), (counted, planned)
+        else:
+            assert counted == planned, steps[0]
 
 
 def test_ep_with_retraction(engine_cache, model_dirs, prompts, references):
@@ -103,8 +153,10 @@ def test_ep_with_retraction(engine_cache, model_dirs, prompts, references):
 def test_ep_without_dp_attention(engine_cache, model_dirs, prompts, references):
     """--ep-size 2 on plain TP ranks: each rank runs half the experts on every row."""
     engine = engine_for(engine_cache, model_dirs, "deepseek_v3", 2, 1, ep_size=2)
+    engine.get_step_log()
     outputs = engine.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True)
     assert_matches_reference(outputs, references["deepseek_v3"])
+    assert_comm_bytes_planned(engine, engine.get_step_log())
 
 
 def test_ep_with_nextn(engine_cache):

@@ -123,23 +123,17 @@ def test_json_schema(model_dirs, capsys):
         "recommendations",
     }
     names = [lay["name"] for lay in out["layouts"]]
-    assert names == [
-        "tp4",
-        "tp2 x2 replicas",
-        "tp1 x4 replicas",
-        "tp4 dp2 dp-attn",
-        "tp4 dp3 dp-attn",
-        "tp4 dp4 dp-attn",
-    ]
+    dp_attn = [f"tp4 dp{d} dp-attn{m}" for d in (2, 3, 4) for m in ("", " ep", " ep a2a")]
+    assert names == ["tp4", "tp2 x2 replicas", "tp1 x4 replicas", *dp_attn]
     keys = {
-        "name", "flags", "tp", "dp", "dp_attention", "attn_tp", "valid", "fits", "reason",
+        "name", "flags", "tp", "dp", "dp_attention", "attn_tp", "moe", "valid", "fits", "reason",
         "weight_bytes_per_rank", "kv_bytes_per_token", "activation_bytes", "kv_budget_bytes",
         "kv_tokens_per_group", "groups", "kv_tokens_total", "max_concurrency", "prefill_chunk_tokens",
-        "prefill_chunk_ms", "decode", "at_concurrency", "best_under_tpot",
+        "prefill_chunk_ms", "prefill_chunk_comm_bytes", "decode", "at_concurrency", "best_under_tpot",
     }  # fmt: skip
     for lay in out["layouts"]:
         assert set(lay) == keys
-    bad = out["layouts"][4]
+    bad = out["layouts"][6]
     assert not bad["valid"] and "divisible by dp_size=3" in bad["reason"]
     good = out["layouts"][3]
     assert good["valid"] and good["fits"] and good["reason"] is None
@@ -150,6 +144,7 @@ def test_json_schema(model_dirs, capsys):
         "tokens_per_s",
         "padding_mode",
         "mlp_rows",
+        "comm_bytes",
         "parts_ms",
     }
     assert set(out["recommendations"]) == {"lowest_latency", "highest_throughput", "most_kv"}
@@ -338,11 +333,11 @@ def test_plot_without_matplotlib(monkeypatch, capsys, tmp_path):
 
 
 def test_layout_syntax_rejected(capsys):
-    for spec in ("8-2", "8:2:atn", "8"):
+    for spec in ("8-2", "8:2:atn", "8", "8:2:attn:a2a", "8:2:ep:attn"):
         with pytest.raises(SystemExit) as exit_:
             plan_main(["--model", "deepseek-v3", "--layout", spec])
         assert exit_.value.code == 2
-        assert f"'{spec}': expected TP:DP[:attn], e.g. 8:2:attn" in capsys.readouterr().err
+        assert f"'{spec}': expected TP:DP[:attn][:ep|:ep-a2a], e.g. 8:2:attn" in capsys.readouterr().err
 
 
 def test_dry_run_of_an_impossible_layout(capsys):

@@ -1,7 +1,9 @@
 """Static batch latency benchmark, modelled on SGLang's bench_one_batch but run through dpserve's Engine.
 
 For each batch size, one batch of random prompts is prefilled and then decoded to a fixed length; the
-latencies come from the engine's per-step timings, so they cover the forward and sampling only.
+latencies come from the engine's per-step timings, so they cover the forward and sampling only. The
+bytes a rank sends per step are those its collectives counted (`StepRecord.comm_bytes`), averaged
+over the DP groups' leaders (every rank when each group has one rank).
 
     python -m dpserve.bench.one_batch --model-path /tmp/tiny_v2 --tp 2 --dp 2 --enable-dp-attention \\
         --batch-size 1 8 32 --input-len 128 --output-len 32
@@ -15,6 +17,7 @@ import logging
 import math
 import statistics
 import time
+from dataclasses import asdict
 
 import numpy as np
 from tqdm import tqdm
@@ -121,9 +124,13 @@ def run_batch(engine: Engine, args: argparse.Namespace, batch: int) -> dict:
     start = time.perf_counter()
     engine.generate(input_ids=prompts, sampling_params={**greedy, "max_new_tokens": args.output_len})
     total = time.perf_counter() - start
-    steps = engine.get_step_log()[0]  # all groups step in lockstep, so group 0 logs every step
+    logs = engine.get_step_log()
+    steps = logs[0]  # all groups step in lockstep, so group 0 logs every step
+    sent = [statistics.mean(s.comm_bytes for s in group_steps) for group_steps in zip(*logs, strict=True)]
     prefill = [s for s in steps if s.kind == "extend"]
     decode = [s for s in steps if s.kind == "decode" and sum(s.tokens) == batch]
+    prefill_sent = [b for s, b in zip(steps, sent, strict=True) if s.kind == "extend"]
+    decode_sent = [b for s, b in zip(steps, sent, strict=True) if s in decode]
     prefill_latency = sum(s.seconds for s in prefill)
     # Empty only if early requests decoded alone for the whole output length while others still waited.
     decode_latency = statistics.median(s.seconds for s in decode) if decode else None
@@ -142,6 +149,14 @@ def run_batch(engine: Engine, args: argparse.Namespace, batch: int) -> dict:
         "median_decode_host_latency": host_latency,
         "median_decode_mlp_rows": statistics.median(s.mlp_rows for s in decode) if decode else None,
         "decode_padded_steps": sum(s.padded for s in decode),
+        # bytes a rank sends per step (mean over the groups' leaders): median prefill step, decode step
+        "median_prefill_comm_bytes": statistics.median(prefill_sent) if prefill else None,
+        "median_decode_comm_bytes": statistics.median(decode_sent) if decode else None,
+        # every step as group 0 logged it, with the bytes each group's leader sent
+        "steps": [
+            {**asdict(s), "comm_bytes_by_group": [g.comm_bytes for g in group_steps]}
+            for s, group_steps in zip(steps, zip(*logs, strict=True), strict=True)
+        ],
         "total_latency": total,
         "overall_throughput": (args.input_len + args.output_len) * batch / total,
     }
@@ -163,6 +178,8 @@ def report(r: dict) -> str:
             f"host work {fmt(r['median_decode_host_latency'], '6.5f')} s",
             f"Floor. {fmt(r.get('floor_latency'), '6.5f')} s measured on this machine "
             f"(dpserve.bench.roofline): the decode step is {fmt(step_over_floor(r), '.2f')}x the floor",
+            f"Bytes sent per rank. prefill step: {fmt(r['median_prefill_comm_bytes'], '.0f')}, "
+            f"decode step: {fmt(r['median_decode_comm_bytes'], '.0f')} (medians)",
             f"Total. latency: {r['total_latency']:6.3f} s, "
             f"throughput: {r['overall_throughput']:9.2f} token/s",
         ]
@@ -178,9 +195,10 @@ def step_over_floor(r: dict) -> float | None:
 def table(results: list[dict]) -> str:
     header = (
         "| tp | dp | attn_tp | batch | prefill (ms) | prefill tok/s | decode step (ms) | decode host (ms) "
-        "| floor (ms) | step / floor | decode tok/s | MoE rows/step | KV capacity |"
+        "| floor (ms) | step / floor | decode tok/s | MoE rows/step | prefill KiB/rank | decode KiB/rank "
+        "| KV capacity |"
     )
-    rows = [header, "|" + "---:|" * 13]
+    rows = [header, "|" + "---:|" * 15]
     for r in results:
         cells = [
             r["tp_size"],
@@ -195,6 +213,8 @@ def table(results: list[dict]) -> str:
             fmt(step_over_floor(r), ".2f"),
             fmt(r["median_decode_throughput"], ".1f"),
             fmt(r["median_decode_mlp_rows"], "g"),
+            fmt(r["median_prefill_comm_bytes"], ".1f", 1 / 1024),
+            fmt(r["median_decode_comm_bytes"], ".1f", 1 / 1024),
             r["kv_capacity"],
         ]
         rows.append("| " + " | ".join(map(str, cells)) + " |")

@@ -31,6 +31,8 @@ PLANNED_OPTIONS = (
     "dp_padding_mode",
     "cuda_graph_max_bs",
     "disable_cuda_graph",
+    "enable_dp_lm_head",
+    "moe_dense_tp_size",
 )
 
 
@@ -78,18 +80,24 @@ def add_plan_args(p: argparse.ArgumentParser, engine_flags: bool = True) -> None
 
 
 def layout_arg(spec: str) -> Layout:
-    """--layout's TP:DP[:attn], e.g. 8:2:attn (tp 8, dp 2, DP attention) or 8:1."""
-    from dpserve.plan.layouts import Layout
+    """--layout's TP:DP[:attn][:ep|:ep-a2a], e.g. 8:2:attn (tp 8, dp 2, DP attention), 8:1, or
+    16:16:attn:ep-a2a (expert parallelism with all_to_all dispatch)."""
+    from dpserve.plan.layouts import MOE_PLACEMENTS, Layout
 
     parts = spec.split(":")
-    numbers = parts[:2]
+    numbers, rest = parts[:2], parts[2:]
+    attn = rest[:1] == ["attn"]
+    moe = rest[attn:]
     if (
         len(numbers) < 2
         or not all(n.isdigit() and int(n) > 0 for n in numbers)
-        or parts[2:] not in ([], ["attn"])
+        or len(moe) > 1
+        or moe[:1] not in ([], ["ep"], ["ep-a2a"])
     ):
-        raise argparse.ArgumentTypeError(f"{spec!r}: expected TP:DP[:attn], e.g. 8:2:attn or 8:1")
-    return Layout(int(numbers[0]), int(numbers[1]), len(parts) == 3)
+        raise argparse.ArgumentTypeError(
+            f"{spec!r}: expected TP:DP[:attn][:ep|:ep-a2a], e.g. 8:2:attn, 8:1 or 16:16:attn:ep-a2a"
+        )
+    return Layout(int(numbers[0]), int(numbers[1]), attn, moe[0] if moe else MOE_PLACEMENTS[0])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -119,8 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         type=layout_arg,
         default=None,
-        metavar="TP:DP[:attn]",
-        help="only these layouts, e.g. 8:2:attn 8:1 (default: every layout of --num-gpus)",
+        metavar="TP:DP[:attn][:ep|:ep-a2a]",
+        help="only these layouts, e.g. 8:2:attn 8:1 16:16:attn:ep-a2a (ep: --ep-size TP, ep-a2a: also "
+        "--moe-a2a-backend all_to_all; default: every layout of --num-gpus, a MoE model's DP attention "
+        "ones also with ep and ep-a2a)",
     )
     add_engine_args(p, only=PLANNED_OPTIONS)  # as launch_server takes them
     add_plan_args(p)
@@ -183,8 +193,9 @@ def dry_run(cfg: EngineConfig, device_profile: str | None) -> int:
 
     args = build_parser().parse_args(["--model-path", cfg.model_path, "--nnodes", str(cfg.nnodes)])
     args.device_profile = device_profile or ("cpu" if cfg.device == "cpu" else "h100")
-    layout = Layout(cfg.tp_size, cfg.dp_size, cfg.enable_dp_attention)
-    planned = ("model_path", "tp_size", "dp_size", "enable_dp_attention")
+    moe = "tp" if cfg.ep_size == 1 else "ep-a2a" if cfg.moe_a2a_backend == "all_to_all" else "ep"
+    layout = Layout(cfg.tp_size, cfg.dp_size, cfg.enable_dp_attention, moe)
+    planned = ("model_path", "tp_size", "dp_size", "enable_dp_attention", "ep_size", "moe_a2a_backend")
     options = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name not in planned}
     plan = make(args, options, cfg.model_path, [layout])
     lp = plan.layouts[0]

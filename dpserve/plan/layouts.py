@@ -23,34 +23,51 @@ from dpserve.memory import (
 from dpserve.models.config import ModelConfig
 from dpserve.models.registry import build_model
 
+MOE_PLACEMENTS = ("tp", "ep", "ep-a2a")  # TP MoE; EP gathering rows (none); EP with all_to_all dispatch
+
 
 @dataclass(frozen=True)
 class Layout:
     tp: int
     dp: int
     dp_attention: bool
+    moe: str = "tp"  # one of MOE_PLACEMENTS: --ep-size tp (ep, ep-a2a), --moe-a2a-backend all_to_all (ep-a2a)
 
     @property
     def name(self) -> str:
         if self.dp_attention:
-            return f"tp{self.tp} dp{self.dp} dp-attn"
-        return f"tp{self.tp}" + (f" x{self.dp} replicas" if self.dp > 1 else "")
+            name = f"tp{self.tp} dp{self.dp} dp-attn"
+        else:
+            name = f"tp{self.tp}" + (f" x{self.dp} replicas" if self.dp > 1 else "")
+        return name + {"tp": "", "ep": " ep", "ep-a2a": " ep a2a"}[self.moe]
 
     @property
     def flags(self) -> str:
-        return f"--tp {self.tp} --dp {self.dp}" + (" --enable-dp-attention" if self.dp_attention else "")
+        out = f"--tp {self.tp} --dp {self.dp}" + (" --enable-dp-attention" if self.dp_attention else "")
+        if self.moe != "tp":
+            out += f" --ep-size {self.tp}"
+        return out + (" --moe-a2a-backend all_to_all" if self.moe == "ep-a2a" else "")
+
+    @property
+    def options(self) -> dict:
+        """The engine options of the MoE placement."""
+        if self.moe == "tp":
+            return {}
+        return {"ep_size": self.tp, "moe_a2a_backend": "all_to_all" if self.moe == "ep-a2a" else "none"}
 
     @property
     def num_gpus(self) -> int:
         return self.tp * (1 if self.dp_attention else self.dp)
 
 
-def enumerate_layouts(num_gpus: int) -> list[Layout]:
+def enumerate_layouts(num_gpus: int, moe: bool = False) -> list[Layout]:
     """Plain TP over divisors of num_gpus with replicas filling the rest, and DP attention over all
-    GPUs for every dp in 2..num_gpus (those not dividing tp come out invalid)."""
+    GPUs for every dp in 2..num_gpus (those not dividing tp come out invalid); for a MoE model each DP
+    attention layout also with expert parallelism, rows gathered and dispatched."""
     divisors = [t for t in range(1, num_gpus + 1) if num_gpus % t == 0]
     plain = [Layout(t, num_gpus // t, False) for t in reversed(divisors)]
-    return plain + [Layout(num_gpus, d, True) for d in range(2, num_gpus + 1)]
+    placements = MOE_PLACEMENTS if moe else ("tp",)
+    return plain + [Layout(num_gpus, d, True, m) for d in range(2, num_gpus + 1) for m in placements]
 
 
 @dataclass
@@ -60,7 +77,8 @@ class Components:
     attn_bytes: int = 0  # attention weights of all layers
     dense_mlp_bytes: int = 0  # dense MLP layers and shared experts
     expert_bytes: int = 0  # one routed expert's local shard (w13 + w2), per MoE layer
-    num_experts: int = 0
+    num_experts: int = 0  # routed experts on this rank (all with TP MoE)
+    total_experts: int = 0
     top_k: int = 0
     moe_layers: int = 0
     gate_bytes: int = 0  # router weights of all MoE layers (float32)
@@ -68,6 +86,7 @@ class Components:
     embed_bytes: int = 0
     attn_params: int = 0  # elements, for FLOPs
     dense_mlp_params: int = 0
+    own_rows_mlp_params: int = 0  # of dense_mlp_params: MLPs on each rank's own rows (replicated)
     expert_params: int = 0
     gate_params: int = 0
     head_params: int = 0
@@ -85,18 +104,18 @@ def components(model) -> Components:
         mlp = layer.mlp
         if isinstance(mlp, MoE):
             c.moe_layers += 1
-            c.num_experts, c.top_k = mlp.w13.shape[0], mlp.top_k
+            c.num_experts, c.total_experts, c.top_k = mlp.w13.shape[0], mlp.gate.shape[0], mlp.top_k
             c.expert_params = mlp.w13[0].numel() + mlp.w2[0].numel()
             c.expert_bytes = c.expert_params * mlp.w13.element_size()
             gate = [mlp.gate] + ([mlp.correction_bias] if mlp.correction_bias is not None else [])
             c.gate_bytes += param_bytes_of(gate)
             c.gate_params += mlp.gate.numel()
-            if mlp.shared_experts is not None:
-                c.dense_mlp_bytes += param_bytes(mlp.shared_experts)
-                c.dense_mlp_params += sum(p.numel() for p in mlp.shared_experts.parameters())
-        elif isinstance(mlp, MLP):
+            mlp = mlp.shared_experts
+        if isinstance(mlp, MLP):
+            params = sum(p.numel() for p in mlp.parameters())
             c.dense_mlp_bytes += param_bytes(mlp)
-            c.dense_mlp_params += sum(p.numel() for p in mlp.parameters())
+            c.dense_mlp_params += params
+            c.own_rows_mlp_params += params if mlp.on_own_rows else 0
     return c
 
 
@@ -169,7 +188,7 @@ def engine_config(layout: Layout, model_path: str, device: str, engine_kwargs: d
         dp_size=layout.dp,
         enable_dp_attention=layout.dp_attention,
         device=device,
-        **engine_kwargs,
+        **{**engine_kwargs, **layout.options},
     )
 
 

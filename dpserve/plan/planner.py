@@ -3,14 +3,18 @@
 Decode step time of one rank (all ranks step in lockstep) at a global batch of B requests:
 
     sum over parts (attention, MLP/MoE, LM head) of max(bytes / bandwidth, FLOPs / FLOP rate)
-    + DP-attention collectives per layer, alpha-beta (all-reduce for sum_len; reduce-scatter and
-      all-gather for max_len), with the padding mode `auto` would pick (the cheaper)
+    + the forward's collectives (dpserve.plan.comm: the bytes the engine counts, collective by
+      collective, for every MoE placement), alpha-beta, with the padding mode `auto` would pick
     + fixed costs (kernel launches per layer on GPU; eager op dispatch on the CPU; host work per step)
 
 Bytes: attention weights, the routed experts the step touches (E * (1 - (1 - k/E)^rows): the engine
 runs only the chosen experts, by the fused grouped GEMM on GPU, in eager steps and CUDA graphs
-alike; all E with `moe_kernel="dense"`, for comparison), dense MLP and shared experts, the KV cache read. Rows: the padded rows each mode makes
-(docs/design.md, section 4): sum_len bucket(S) rows; max_len dp * round_up(bucket(max n_g), A).
+alike; all E with `moe_kernel="dense"`, for comparison; with expert parallelism a rank's own whole
+experts), dense MLP and shared experts, the KV cache read. Rows: the padded rows each mode makes
+(docs/design.md, section 4): sum_len bucket(S) rows; max_len dp * round_up(bucket(max n_g), A); an MLP
+on each rank's own rows (replicated, or shared experts beside all_to_all) 1/A of its group's. The
+expert work is the same with TP MoE and EP (top_k slices per row, or top_k / T whole experts per
+row per rank): what EP changes here is the bytes moved (all_to_all) and where shared experts run.
 """
 
 from __future__ import annotations
@@ -19,16 +23,19 @@ import bisect
 import math
 from dataclasses import dataclass, field
 
-from dpserve.memory import dtype_bytes
 from dpserve.models.config import ModelConfig
-from dpserve.plan.layouts import Layout, LayoutMemory, enumerate_layouts, layout_memory
+from dpserve.plan.comm import Collective, forward_collectives
+from dpserve.plan.layouts import Layout, LayoutMemory, enumerate_layouts, layout_memory, meta_model
 from dpserve.plan.profiles import DeviceProfile
-from dpserve.step.records import round_up
+from dpserve.step.records import StepLayout, round_up
 
 # Eager ops per step on the CPU (counted with a TorchDispatchMode on the engine's forward of the tiny
 # models): fixed per step, per layer by part, per routed expert the sparse path visits.
 OPS_STEP = 60
 OPS_MLA, OPS_GQA, OPS_MLP, OPS_MOE, OPS_EXPERT, OPS_LAYER = 110, 52, 6, 30, 12, 22
+# GPU: an unpadded all_to_all step reads the exchanged counts on the host once per MoE layer (the
+# split sizes of the dispatch), draining the stream: an assumption, listed in GPU_ASSUMPTIONS.
+A2A_COUNTS_SYNC_S = 50e-6
 
 
 @dataclass
@@ -48,6 +55,7 @@ class StepTime:
     mode: str  # padding mode auto picks (sum_len with one group)
     mlp_rows: int  # rows the MoE/MLP processes (with padding)
     parts: dict = field(default_factory=dict)  # seconds by part
+    comm_bytes: int = 0  # bytes one rank sends in the step's forward (dpserve.plan.comm)
 
     @property
     def throughput(self) -> float:
@@ -61,6 +69,7 @@ class LayoutPlan:
     decode: list[StepTime] = field(default_factory=list)
     prefill_chunk_s: float = 0.0  # one prefill step of chunked_prefill_size tokens in every group
     prefill_chunk_tokens: int = 0
+    prefill_chunk_comm_bytes: int = 0  # bytes one rank sends in that prefill step
     at_concurrency: StepTime | None = None  # the workload's concurrency (or the most that fits)
     best_under_tpot: StepTime | None = None  # the largest batch whose step is within the TPOT target
 
@@ -81,9 +90,9 @@ class StepModel:
         self.mem, self.m, self.p = mem, model_cfg, prof
         cfg = mem.cfg
         self.cfg = cfg
+        self.model = meta_model(model_cfg, cfg)  # the engine's model (meta device): its collectives
         self.T, self.A = cfg.tp_size, cfg.attn_tp_size
         self.G = cfg.dp_size if cfg.enable_dp_attention else 1  # groups in one instance
-        self.e = dtype_bytes(cfg.torch_dtype)
         self.ranks_per_node = mem.layout.num_gpus // nnodes
         self.world_spans = self.ranks_per_node < self.T
         self.attn_spans = self.ranks_per_node < self.A
@@ -107,33 +116,28 @@ class StepModel:
             self.compute_share = self.bw_share = self.oversub = 1.0
 
     # --- collectives ---------------------------------------------------------------------------
-    def _coll(self, kind: str, nbytes: float, ranks: int, spans: bool) -> float:
-        if ranks <= 1 or nbytes <= 0:
-            return 0.0
+    def _coll(self, c: Collective) -> float:
+        """Alpha-beta seconds of one collective: latency per ring step, then the bytes this rank sends."""
         p = self.p
+        ranks, spans = (self.T, self.world_spans) if c.group == "world" else (self.A, self.attn_spans)
         alpha, bw = (p.inter_alpha, p.inter_bw) if spans else (p.intra_alpha, p.intra_bw)
-        steps = 2 * (ranks - 1) if kind == "all_reduce" else ranks - 1
+        steps = 2 * (ranks - 1) if c.kind == "all_reduce" else ranks - 1
         if p.is_cpu:
             # measured at the node's process count (contention included), else scaled from 2 processes
             measured = self.alpha.get(self.ranks_per_node)
             latency = steps * (measured if measured is not None else alpha * self.oversub)
         else:
-            latency = alpha * (2 if kind == "all_reduce" else 1)
-        return latency + steps / ranks * nbytes / bw
+            latency = alpha * (2 if c.kind == "all_reduce" else 1)
+        return latency + c.sent / bw
 
     # --- one step --------------------------------------------------------------------------------
-    def step(
-        self,
-        local_rows: int,
-        mlp_rows: int,
-        real_local: int,
-        ctx: float,
-        sampled: int,
-        mode: str,
-    ) -> dict:
-        """Seconds by part for one step: `local_rows` per group (padded), `mlp_rows` in the MoE/MLP,
+    def step(self, layout: StepLayout, real_local: int, ctx: float) -> tuple[dict, int]:
+        """(Seconds by part, bytes one rank sends) of one step of `layout` (group 0's view), with
         `real_local` real requests per group reading `ctx` KV tokens each."""
-        m, c, p, e = self.m, self.mem.comp, self.p, self.e
+        local_rows, mlp_rows = layout.local_rows, layout.mlp_rows
+        own_rows = round_up(local_rows, self.A) // self.A
+        sampled = layout.logit_rows[0]
+        m, c, p = self.m, self.mem.comp, self.p
         flops = p.flops * p.flop_eff * self.compute_share
         bw = p.mem_bw * p.mem_eff * self.bw_share
         L, H = m.num_layers, m.hidden_size
@@ -152,39 +156,29 @@ class StepModel:
         t_attn = max((c.attn_bytes + kv_bytes) / bw, attn_flops / flops)
         # MLP / MoE on the gathered rows
         if c.moe_layers:
+            # a rank's experts each row reaches: top_k slices (TP MoE), top_k / T whole experts (EP)
+            share = c.num_experts / c.total_experts
             if self.moe_kernel == "dense":
                 touched, active = c.num_experts, c.num_experts
             else:
-                touched = c.num_experts * (1 - (1 - c.top_k / c.num_experts) ** mlp_rows)
-                active = c.top_k
+                touched = c.num_experts * (1 - (1 - c.top_k / c.total_experts) ** mlp_rows)
+                active = c.top_k * share
         else:
             touched = active = 0
         mlp_bytes = c.dense_mlp_bytes + c.gate_bytes + touched * c.expert_bytes * c.moe_layers
-        mlp_flops = (
-            2 * mlp_rows * (c.dense_mlp_params + c.gate_params + active * c.expert_params * c.moe_layers)
+        gathered = c.dense_mlp_params - c.own_rows_mlp_params
+        mlp_flops = 2 * (
+            mlp_rows * (gathered + c.gate_params + active * c.expert_params * c.moe_layers)
+            + own_rows * c.own_rows_mlp_params
         )
         t_mlp = max(mlp_bytes / bw, mlp_flops / flops)
         t_head = max(c.head_bytes / bw, 2 * sampled * c.head_params / flops)
-        # collectives: gather and scatter every layer, then the LM head's logits
-        if mode == "sum_len":
-            t_coll = 2 * L * self._coll("all_reduce", mlp_rows * H * e, self.T, self.world_spans)
-        else:
-            M = local_rows
-            per_layer = (
-                self._coll("reduce_scatter", M * H * e, self.A, self.attn_spans)
-                + self._coll("all_gather", self.G * M * H * e, self.T, self.world_spans)
-                + self._coll("reduce_scatter", self.G * M * H * e, self.T, self.world_spans)
-                + self._coll("all_gather", M * H * e, self.A, self.attn_spans)
-            )
-            t_coll = L * per_layer
-        vocab_shard = c.head_params // max(H, 1)
-        t_coll += self._coll(
-            "all_gather", sampled * self.G * vocab_shard * self.T * 4, self.T, self.world_spans
-        )
-        if self.G > 1:
-            t_coll += self._coll("all_gather", sampled * self.G * H * e, self.T, self.world_spans)
+        colls = forward_collectives(self.model, layout)
+        t_coll = sum(self._coll(x) for x in colls)
         # fixed costs
         fixed = p.step_overhead + p.layer_overhead * L
+        if not p.is_cpu and not layout.padded:
+            fixed += A2A_COUNTS_SYNC_S * sum(x.part == "counts" for x in colls)
         if p.is_cpu:
             ops = OPS_STEP + L * OPS_LAYER
             for layer_is_moe in self._layer_kinds():
@@ -195,7 +189,8 @@ class StepModel:
                 else:
                     ops += OPS_MLP
             fixed += ops * self.op_s * self.oversub
-        return {"attention": t_attn, "mlp": t_mlp, "lm_head": t_head, "collectives": t_coll, "fixed": fixed}
+        parts = {"attention": t_attn, "mlp": t_mlp, "lm_head": t_head, "collectives": t_coll, "fixed": fixed}
+        return parts, sum(x.sent for x in colls)
 
     def _layer_kinds(self) -> list[bool]:
         c = self.mem.comp
@@ -211,24 +206,24 @@ class StepModel:
         modes = ("sum_len", "max_len") if G > 1 and self.cfg.dp_padding_mode == "auto" else None
         if modes is None:
             modes = (self.cfg.dp_padding_mode if G > 1 else "sum_len",)
+        # the instance's S rows as evenly over its groups as the router spreads them (the busiest: b)
+        tokens = tuple(per_instance // G + (g < per_instance % G) for g in range(G))
         for mode in modes:
             if mode == "sum_len":
-                s = per_instance
-                bucket = _bucket(self.buckets, s) if self.graphs else None
-                rows = bucket or s
-                local = bucket or b
+                bucket = _bucket(self.buckets, per_instance) if self.graphs else None
             else:
                 bucket = _bucket(sorted({round_up(x, A) for x in self.buckets}), b) if self.graphs else None
-                local = bucket or round_up(b, A)
-                rows = G * local
-            parts = self.step(local, rows, b, ctx, b, mode)
-            options.append(StepTime(batch, sum(parts.values()), mode, rows, parts))
+            layout = StepLayout(mode, tokens, tokens, 0, A, bucket)
+            parts, sent = self.step(layout, b, ctx)
+            options.append(StepTime(batch, sum(parts.values()), mode, layout.mlp_rows, parts, sent))
         return min(options, key=lambda s: s.seconds)
 
-    def prefill_chunk(self, tokens: int) -> float:
-        """One prefill step of `tokens` new tokens in every group (eager, sum_len)."""
-        parts = self.step(tokens, tokens * self.G, tokens, tokens / 2, 1, "sum_len")
-        return sum(parts.values())
+    def prefill_chunk(self, tokens: int) -> tuple[float, int]:
+        """(Seconds, bytes one rank sends) of one prefill step of `tokens` new tokens in every group
+        (eager, sum_len)."""
+        layout = StepLayout("sum_len", (tokens,) * self.G, (1,) * self.G, 0, self.A)
+        parts, sent = self.step(layout, tokens, tokens / 2)
+        return sum(parts.values()), sent
 
 
 def default_batches(max_concurrency: int) -> list[int]:
@@ -254,7 +249,7 @@ def plan_layout(
     batches = wl.batch_sizes or default_batches(plan.max_concurrency)
     plan.decode = [sm.decode(b, ctx) for b in batches if b <= max(plan.max_concurrency, 1)]
     plan.prefill_chunk_tokens = min(cfg.chunked_prefill_size, wl.input_len)
-    plan.prefill_chunk_s = sm.prefill_chunk(plan.prefill_chunk_tokens)
+    plan.prefill_chunk_s, plan.prefill_chunk_comm_bytes = sm.prefill_chunk(plan.prefill_chunk_tokens)
     if plan.max_concurrency:
         conc = plan.max_concurrency
         if wl.concurrency:
@@ -318,7 +313,8 @@ def make_plan(
     if nnodes > 1:
         kwargs.setdefault("dist_init_addr", "node0:29500")
     plans = []
-    for layout in layouts or enumerate_layouts(num_gpus):
+    moe = bool(getattr(model_cfg.hf, "n_routed_experts", None))
+    for layout in layouts or enumerate_layouts(num_gpus, moe):
         mem = layout_memory(layout, path, model_cfg, profile.device, total, kwargs)
         plans.append(plan_layout(mem, model_cfg, profile, workload, nnodes, moe_kernel))
     return Plan(model, path, model_cfg, profile, num_gpus, nnodes, workload, plans, engine_kwargs)

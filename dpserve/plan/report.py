@@ -6,12 +6,13 @@ JSON schema `dpserve.plan/1` (stable, grows only by new fields; docs/tuning.md's
     profile: name, device, source, memory_bytes, mem_bw, flops, intra_bw, intra_alpha, inter_bw, inter_alpha,
         provenance: {measured_at (ISO, UTC), load, cores, torch, cpu_model} of a measured (cpu) profile, else {}
     workload: input_len, output_len, concurrency, request_rate, tpot_ms
-    layouts[]: name, flags, tp, dp, dp_attention, attn_tp, valid, fits, reason (null when it runs),
+    layouts[]: name, flags, tp, dp, dp_attention, attn_tp, moe (tp, ep or ep-a2a: the MoE placement),
+        valid, fits, reason (null when it runs),
         weight_bytes_per_rank, kv_bytes_per_token, activation_bytes, kv_budget_bytes,
         kv_tokens_per_group, groups, kv_tokens_total, max_concurrency,
-        prefill_chunk_tokens, prefill_chunk_ms,
-        decode[]: batch, step_ms, tokens_per_s, padding_mode, mlp_rows, parts_ms{attention, mlp, lm_head,
-                  collectives, fixed}
+        prefill_chunk_tokens, prefill_chunk_ms, prefill_chunk_comm_bytes (one rank sends, in that step),
+        decode[]: batch, step_ms, tokens_per_s, padding_mode, mlp_rows, comm_bytes (one rank sends),
+                  parts_ms{attention, mlp, lm_head, collectives, fixed}
         at_concurrency: a decode entry (the table's @conc columns) or null
         best_under_tpot: a decode entry (the table's @TPOT columns): the largest batch, up to
             max_concurrency, whose step is within tpot_ms; null without a target or when batch 1 misses it
@@ -38,6 +39,7 @@ def _step(s: StepTime | None) -> dict | None:
         "tokens_per_s": round(s.throughput, 2),
         "padding_mode": s.mode,
         "mlp_rows": s.mlp_rows,
+        "comm_bytes": s.comm_bytes,
         "parts_ms": {k: round(v * 1e3, 4) for k, v in s.parts.items()},
     }
 
@@ -133,6 +135,7 @@ def to_json(plan: Plan) -> dict:
                 "dp": lay.dp,
                 "dp_attention": lay.dp_attention,
                 "attn_tp": lay.tp // lay.dp if lay.dp_attention else lay.tp,
+                "moe": lay.moe,
                 "valid": m.cfg is not None,
                 "fits": m.valid,
                 "reason": m.error,
@@ -146,6 +149,7 @@ def to_json(plan: Plan) -> dict:
                 "max_concurrency": lp.max_concurrency,
                 "prefill_chunk_tokens": lp.prefill_chunk_tokens,
                 "prefill_chunk_ms": round(lp.prefill_chunk_s * 1e3, 4),
+                "prefill_chunk_comm_bytes": lp.prefill_chunk_comm_bytes,
                 "decode": [_step(s) for s in lp.decode],
                 "at_concurrency": _step(lp.at_concurrency),
                 "best_under_tpot": _step(lp.best_under_tpot),
@@ -185,11 +189,11 @@ def rows(plan: Plan) -> tuple[list[list[str]], list[tuple[str, str]]]:
     """The table's rows, and (what, why) of the layouts that cannot run: one entry each, except
     DP attention layouts whose dp does not divide tp, summarised in one entry per tp."""
     table, invalid = [], []
-    indivisible: dict[int, list[int]] = {}
+    indivisible: dict[int, set[int]] = {}  # every MoE placement of a dp alike: one entry
     for lp in plan.layouts:
         m, lay = lp.mem, lp.layout
         if m.cfg is None and lay.dp_attention and lay.tp % lay.dp:
-            indivisible.setdefault(lay.tp, []).append(lay.dp)
+            indivisible.setdefault(lay.tp, set()).add(lay.dp)
             continue
         if not runs(lp):
             invalid.append((lay.name, reason(lp)))
@@ -211,7 +215,9 @@ def rows(plan: Plan) -> tuple[list[list[str]], list[tuple[str, str]]]:
             row += [str(t.batch), _ms(t), _tps(t), t.mode] if t else ["-"] * 4
         table.append([*row, f"{lp.prefill_chunk_s * 1e3:.1f}"])
     for tp, dps in indivisible.items():
-        invalid.append((f"dp {_ranges(dps)}", f"tp {tp} must be divisible by dp (attention TP = tp / dp)"))
+        invalid.append(
+            (f"dp {_ranges(list(dps))}", f"tp {tp} must be divisible by dp (attention TP = tp / dp)")
+        )
     return table, invalid
 
 

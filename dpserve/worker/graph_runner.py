@@ -6,6 +6,7 @@ positions, KV slots, each row's request-to-slot table row and KV length, and (su
 `row_index`, where each local row sits in the gathered buffer. The graph's shapes depend on
 the bucket alone, so one graph serves any split of the tokens over the DP groups, and an
 idle group replays it with zero real rows. On the CPU the same padded batches run eagerly.
+A replay counts the bytes its capture's collectives counted (their shapes are the graph's).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from tqdm import tqdm
 
 from dpserve.attention.backend import AttentionMetadata
+from dpserve.distributed import SENT
 from dpserve.kvcache.pool import KVPool
 from dpserve.models.base import CausalLM
 from dpserve.models.batch import ForwardBatch
@@ -47,7 +49,8 @@ class CudaGraphRunner:
         self.req_idx = torch.zeros(rows, dtype=torch.int32, device=dev)
         self.seq_lens = torch.ones(rows, dtype=torch.int32, device=dev)
         self.q_start = torch.arange(rows + 1, dtype=torch.int32, device=dev)  # one new token per row
-        self.graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # (mode, bucket) -> (graph, its output, bytes its collectives send)
+        self.graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, int]] = {}
         mempool = torch.cuda.graph_pool_handle()
         show = model.groups.topo.rank == 0
         for layout in tqdm(layouts, desc="Capturing CUDA graphs", unit="graph", disable=not show):
@@ -60,9 +63,10 @@ class CudaGraphRunner:
                 self.model.forward_hidden(batch, self.pool)
             torch.cuda.synchronize(dev)
             graph = torch.cuda.CUDAGraph()
+            sent = SENT.total
             with torch.cuda.graph(graph, pool=mempool):
                 out = self.model.forward_hidden(batch, self.pool)
-            self.graphs[(layout.mode, layout.bucket)] = (graph, out)
+            self.graphs[(layout.mode, layout.bucket)] = (graph, out, SENT.total - sent)
         torch.cuda.synchronize(dev)
 
     def _static_batch(self, layout: StepLayout) -> ForwardBatch:
@@ -88,7 +92,7 @@ class CudaGraphRunner:
         """Runs a padded decode batch through its graph; returns the hidden rows (a static buffer,
         valid until the next replay)."""
         layout = batch.layout
-        graph, out = self.graphs[(layout.mode, layout.bucket)]
+        graph, out, sent = self.graphs[(layout.mode, layout.bucket)]
         for static, value in (
             (self.input_ids, batch.input_ids),
             (self.positions, batch.positions),
@@ -100,4 +104,5 @@ class CudaGraphRunner:
         ):
             static[: value.shape[0]].copy_(value)
         graph.replay()
+        SENT.total += sent
         return out

@@ -71,6 +71,8 @@ class StepRecord:
     forward_seconds: float = 0.0  # the model's share of `seconds` (without drafting); the rest is host work
     draft_seconds: float = 0.0  # NEXTN: the MTP forwards after the step (part of `seconds`)
     expert_imbalance: float = 1.0  # MoE rows of the busiest rank over the mean rank's (1: balanced)
+    comm_bytes: int = 0  # bytes the leader sent in the step's forward (collectives; NEXTN's drafts not)
+    logit_rows: tuple[int, ...] = ()  # rows sampled by every DP group (what the LM head moves)
 
 
 @dataclass(frozen=True)
@@ -300,6 +302,8 @@ class Worker:
                 slots_written=self.runner.slots_written,
                 draft_seconds=self.drafter.seconds if self.drafter else 0.0,
                 expert_imbalance=imbalance,
+                comm_bytes=self.runner.comm_bytes,
+                logit_rows=layout.logit_rows,
             )
         )
 

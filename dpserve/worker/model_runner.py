@@ -15,7 +15,7 @@ import torch
 
 from dpserve.attention import make_backend
 from dpserve.config import EngineConfig
-from dpserve.distributed import Groups, all_reduce
+from dpserve.distributed import SENT, Groups, all_reduce
 from dpserve.kvcache.pool import KVPool
 from dpserve.memory import agree_min, kv_budget_bytes, kv_bytes_per_token, kv_pool_tokens, param_bytes
 from dpserve.models.base import CausalLM
@@ -62,6 +62,7 @@ class ModelRunner:
         self.activation_bytes = 0
         self.slots_written = 0  # request-to-slot entries the last step wrote
         self.forward_seconds = 0.0  # the model's part of the last step (the rest is host work)
+        self.comm_bytes = 0  # bytes this rank sent in the last step's forward (collectives, LM head included)
         self.hidden: torch.Tensor | None = None  # NEXTN: the last step's hidden states
         # A decode step whose longest request exceeds what a graph's attention reads runs unpadded.
         max_kv_len = min(model_cfg.context_len, self.model.attn_backend.graph_max_kv_len or 1 << 62)
@@ -138,7 +139,7 @@ class ModelRunner:
     def forward(self, batch: GroupBatch, layout: StepLayout) -> torch.Tensor:
         """Runs the model on this group's batch (possibly empty); returns logits of sampled rows."""
         inputs = self._inputs(batch, layout)
-        start = time.perf_counter()
+        start, sent = time.perf_counter(), SENT.total
         hidden = self._hidden(inputs)
         if self.model.mtp is not None:
             self.hidden = hidden  # NEXTN's MTP forwards pair it with the accepted tokens
@@ -146,6 +147,7 @@ class ModelRunner:
         if logits.is_cuda:
             torch.cuda.synchronize(self.device)
         self.forward_seconds = time.perf_counter() - start
+        self.comm_bytes = SENT.total - sent
         return logits
 
     def take_expert_load(self) -> torch.Tensor | None:
