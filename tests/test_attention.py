@@ -12,7 +12,8 @@ from dpserve.attention.backend import AttentionMetadata
 from dpserve.attention.sdpa import SdpaBackend
 from dpserve.attention.torch_backend import TorchBackend
 from dpserve.attention.triton_backend import TritonBackend
-from dpserve.attention.triton_kernels import decode_attention
+from dpserve.attention.triton_kernels import _row_head_offset, decode_attention
+from dpserve.triton_setup import tl, triton
 
 TOL = dict(atol=1e-4, rtol=1e-4)
 
@@ -160,3 +161,17 @@ def test_half_precision(dtype, lens):
     for out in outs[1:]:
         assert out.dtype == dtype
         torch.testing.assert_close(out.float(), outs[0].float(), atol=3e-2, rtol=3e-2)
+
+
+@triton.jit
+def _offset_probe(Out, b, h, stride_b, stride_h):
+    tl.store(Out, _row_head_offset(b + tl.program_id(0), h, stride_b, stride_h))
+
+
+def test_split_k_scratch_offset_is_int64():
+    """The split-K scratch offset of the last request at a batch of 4,097 with MLA's shapes (128
+    heads, 8 splits, 512 values) passes 2^31: computed in int32 it would wrap negative."""
+    stride_b, stride_h = 128 * 8 * 512, 8 * 512
+    out = torch.zeros(1, dtype=torch.int64)
+    _offset_probe[(1,)](out, 4096, 127, stride_b, stride_h)
+    assert out.item() == 4096 * stride_b + 127 * stride_h > 2**31

@@ -52,6 +52,14 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 @triton.jit
+def _row_head_offset(b, h, stride_b, stride_h):
+    """Offset of (request b, heads h) in a [batch, heads, ...] buffer, in int64: the split-K scratch
+    holds batch x heads x splits x dv floats, past 2^31 from a batch of 4,097 at MLA's shapes
+    (128 heads, 8 splits, 512 values), while program ids and strides arrive as int32."""
+    return b.to(tl.int64) * stride_b + h * stride_h
+
+
+@triton.jit
 def _decode_split_kernel(
     Q,
     K,
@@ -147,7 +155,7 @@ def _decode_split_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             l_i = l_i * alpha + tl.sum(p, 1)
             m_i = m_new
-        out_ptr = MidO + b * stride_mb + heads[:, None] * stride_mh + split * stride_ms
+        out_ptr = MidO + _row_head_offset(b, heads[:, None], stride_mb, stride_mh) + split * stride_ms
         safe_l = tl.where(l_i > 0, l_i, 1.0)
         tl.store(out_ptr + offs_dv[None, :], acc / safe_l[:, None], mask=mask_h[:, None] & mask_dv[None, :])
         lse = tl.where(l_i > 0, m_i + tl.log(safe_l), float("-inf"))
@@ -180,7 +188,7 @@ def _decode_reduce_kernel(
     m_i = float("-inf")
     l_i = 0.0
     acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
-    base = b * stride_mb + h * stride_mh
+    base = _row_head_offset(b, h, stride_mb, stride_mh)
     lse_base = b * stride_lb + h * stride_lh
     for s in range(NUM_SPLITS):
         if s * split_len < seq_len:  # empty slices wrote nothing
