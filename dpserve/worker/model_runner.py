@@ -23,6 +23,7 @@ from dpserve.models.batch import ForwardBatch
 from dpserve.models.config import ModelConfig
 from dpserve.models.loader import load_weights
 from dpserve.models.registry import build_model
+from dpserve.scheduler.scheduler import largest_step
 from dpserve.step.padding import PaddingPolicy
 from dpserve.step.records import BatchReq, GroupBatch, StepLayout
 from dpserve.worker.graph_runner import CudaGraphRunner
@@ -43,6 +44,19 @@ def load_model(cfg: EngineConfig, model_cfg: ModelConfig, groups: Groups, device
         torch.set_default_dtype(previous)
     load_weights(model.weights(), cfg.model_path, show_progress=groups.topo.rank == 0)
     return model
+
+
+def peak_step(cfg: EngineConfig, context_len: int) -> GroupBatch:
+    """The largest step (`largest_step`) as a batch: prompts from position 0 and decoding requests
+    with their drafts (logits for each), every request on its own table row and fresh slots."""
+    d = cfg.num_drafts
+    prompts, decoding = largest_step(cfg.chunked_prefill_size, cfg.max_running_requests, d, context_len)
+    sizes = [(n, False) for n in prompts] + [(1 + d, d > 0)] * decoding
+    batch, used = GroupBatch("extend"), 1  # slot 0: the padding slot
+    for row, (n, verify) in enumerate(sizes, start=1):
+        batch.reqs.append(BatchReq(row, 0, [0] * n, list(range(used, used + n)), sample=True, verify=verify))
+        used += n
+    return batch
 
 
 class ModelRunner:
@@ -113,16 +127,18 @@ class ModelRunner:
         return kv_pool_tokens(budget, self.kv_bytes_per_token, cfg.max_total_tokens)
 
     def _measure_activation_peak(self) -> int:
-        """Peak memory of a warm-up prefill of the largest chunk in every DP group (all ranks
-        together: the forward joins every WORLD collective), on a temporary pool."""
-        n = min(self.cfg.chunked_prefill_size, self.model_cfg.context_len)
+        """Peak memory of a warm-up forward of the largest step the scheduler can form, in every DP
+        group (all ranks together: the forward joins every WORLD collective), on a temporary pool."""
+        batch = peak_step(self.cfg, self.model_cfg.context_len)
+        n = batch.num_tokens
         pool = KVPool(self.model_cfg.num_layers, n, self.kv_shapes, self.dtype, self.device)
-        batch = GroupBatch(
-            "extend", [BatchReq(row=1, start=0, tokens=[0] * n, slots=list(range(1, n + 1)), sample=True)]
-        )
         topo = self.topo
         layout = StepLayout(
-            "sum_len", (n,) * topo.dp_size, (1,) * topo.dp_size, topo.dp_rank, topo.attn_tp_size
+            "sum_len",
+            (n,) * topo.dp_size,
+            (batch.num_logit_rows,) * topo.dp_size,
+            topo.dp_rank,
+            topo.attn_tp_size,
         )
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
