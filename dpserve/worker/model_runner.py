@@ -75,7 +75,7 @@ class ModelRunner:
         )
         self.activation_bytes = 0
         self.slots_written = 0  # request-to-slot entries the last step wrote
-        self.forward_seconds = 0.0  # the model's part of the last step (the rest is host work)
+        self._forward_time: float | list[torch.cuda.Event] = 0.0  # see forward_seconds
         self.hidden: torch.Tensor | None = None  # NEXTN: the last step's hidden states
         # A decode step whose longest request exceeds what a graph's attention reads runs unpadded.
         max_kv_len = min(model_cfg.context_len, self.model.attn_backend.graph_max_kv_len or 1 << 62)
@@ -154,15 +154,31 @@ class ModelRunner:
     def forward(self, batch: GroupBatch, layout: StepLayout) -> torch.Tensor:
         """Runs the model on this group's batch (possibly empty); returns logits of sampled rows."""
         inputs = self._inputs(batch, layout)
+        # On the GPU the forward is timed by events, read once the step's results are on the host:
+        # no synchronisation of its own.
+        events = (
+            [torch.cuda.Event(enable_timing=True) for _ in range(2)] if self.device.type == "cuda" else []
+        )
         start = time.perf_counter()
+        for e in events[:1]:
+            e.record()
         hidden = self._hidden(inputs)
         if self.model.mtp is not None:
             self.hidden = hidden  # NEXTN's MTP forwards pair it with the accepted tokens
         logits = self.model.compute_logits(hidden, inputs)
-        if logits.is_cuda:
-            torch.cuda.synchronize(self.device)
-        self.forward_seconds = time.perf_counter() - start
+        for e in events[1:]:
+            e.record()
+        self._forward_time = events or time.perf_counter() - start
         return logits
+
+    @property
+    def forward_seconds(self) -> float:
+        """The model's part of the last step (the rest is host work)."""
+        if isinstance(self._forward_time, float):
+            return self._forward_time
+        start, end = self._forward_time
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
 
     def take_expert_load(self) -> torch.Tensor | None:
         """Rows routed to each expert of each MoE layer since the last call, over every group
@@ -190,17 +206,13 @@ class ModelRunner:
 
     def _inputs(self, batch: GroupBatch, layout: StepLayout) -> ForwardBatch:
         """The step's inputs; host work proportional to the new tokens, not to the contexts."""
-        dev, reqs = self.device, batch.reqs
+        reqs = batch.reqs
         rows, cols, slots = [], [], []  # request-to-slot table entries written this step
         for r in reqs:
             rows += [r.row] * (len(r.prefix) + len(r.slots))
             cols += range(r.start - len(r.prefix), r.seq_len)
             slots += r.prefix + r.slots
         self.slots_written = len(slots)  # a decode step writes one per request, whatever the contexts
-        if slots:
-            self.req_to_token[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = torch.tensor(
-                slots, dtype=torch.int32, device=dev
-            )
         positions = [p for r in reqs for p in range(r.start, r.seq_len)]
         # Rows to return logits for: a request's last, or every one of a verify step's.
         ends = list(accumulate(len(r.tokens) for r in reqs))
@@ -230,4 +242,5 @@ class ModelRunner:
             seq_lens + [1] * pad,
             logit_idx,
             self.model.moe_own_rank,
+            table_writes=(rows, cols, slots),
         )
