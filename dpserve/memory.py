@@ -25,6 +25,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+# Transient float32 copies and per-expert intermediates of the gathered rows (up to dp x the step's
+# tokens) are made a bounded chunk of rows at a time: about this many bytes per chunk.
+ACTIVATION_CHUNK_BYTES = 256 * 2**20
 CPU_DEFAULT_KV_GB = 0.25  # KV budget per rank on the CPU when kv_cache_memory_gb is not given
 DEFAULT_MEM_FRACTION_STATIC = 0.88  # of the device's memory, for weights + KV (GPU)
 
@@ -82,3 +85,18 @@ def agree_min(value: int, group: dist.ProcessGroup | None) -> int:
     t = torch.tensor([value], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
     return int(t.item())
+
+
+def chunk_rows(bytes_per_row: int, budget: int | None = None) -> int:
+    """Rows processed at once so that a chunk's transient buffers take about `budget` bytes
+    (ACTIVATION_CHUNK_BYTES by default)."""
+    return max(1, (budget or ACTIVATION_CHUNK_BYTES) // bytes_per_row)
+
+
+def moe_chunk_rows(
+    hidden: int, inter: int, top_k: int, experts: int, elem_bytes: int, budget: int | None = None
+) -> int:
+    """Rows the routed experts take at once: per row, its float32 copy and router scores, and its
+    top_k expert intermediates and outputs (the fused kernels' [rows * top_k, inter] and
+    [rows * top_k, hidden] buffers)."""
+    return chunk_rows(4 * (hidden + 2 * experts) + top_k * (inter + hidden) * elem_bytes, budget)

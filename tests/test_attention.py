@@ -12,7 +12,13 @@ from dpserve.attention.backend import AttentionMetadata
 from dpserve.attention.sdpa import SdpaBackend
 from dpserve.attention.torch_backend import TorchBackend
 from dpserve.attention.triton_backend import TritonBackend
-from dpserve.attention.triton_kernels import decode_attention
+from dpserve.attention.triton_kernels import (
+    _row_head_offset,
+    decode_attention,
+    extend_attention,
+    launch_config,
+)
+from dpserve.triton_setup import tl, triton
 
 TOL = dict(atol=1e-4, rtol=1e-4)
 
@@ -160,3 +166,107 @@ def test_half_precision(dtype, lens):
     for out in outs[1:]:
         assert out.dtype == dtype
         torch.testing.assert_close(out.float(), outs[0].float(), atol=3e-2, rtol=3e-2)
+
+
+@triton.jit
+def _offset_probe(Out, b, h, stride_b, stride_h):
+    tl.store(Out, _row_head_offset(b + tl.program_id(0), h, stride_b, stride_h))
+
+
+def test_split_k_scratch_offset_is_int64():
+    """The split-K scratch offset of the last request at a batch of 4,097 with MLA's shapes (128
+    heads, 8 splits, 512 values) passes 2^31: computed in int32 it would wrap negative."""
+    stride_b, stride_h = 128 * 8 * 512, 8 * 512
+    out = torch.zeros(1, dtype=torch.int64)
+    _offset_probe[(1,)](out, 4096, 127, stride_b, stride_h)
+    assert out.item() == 4096 * stride_b + 127 * stride_h > 2**31
+
+
+H200_SMS = 132
+
+
+def test_launch_config_on_a_gpu():
+    """Split count from the context bound, heads per KV head and SMs; head blocks sized to the group."""
+    mla = dict(heads=128, kv_heads=1, lk=576, device="cuda", num_sms=H200_SMS)
+    one = launch_config("decode", batch=1, max_seq_len=4096, **mla)
+    # 8 programs of 16 heads: 33 splits would fill two waves, 32 (a split per 4 blocks of 32 keys) cap it.
+    assert (one.grid, one.block_h, one.heads_per_prog, one.block_n) == ((1, 8, 32), 16, 16, 32)
+    assert launch_config("decode", batch=4, max_seq_len=1 << 17, **mla).num_splits == 9  # cdiv(264, 32)
+    assert launch_config("decode", batch=256, max_seq_len=1 << 17, **mla).grid == (256, 8, 1)
+    assert launch_config("decode", batch=1, max_seq_len=100, **mla).num_splits == 1
+    assert launch_config("decode", batch=1, max_seq_len=4096, num_splits=8, **mla).grid == (1, 8, 8)
+    g40 = launch_config(
+        "decode", batch=2, heads=80, kv_heads=2, lk=128, max_seq_len=8192, device="cuda", num_sms=64
+    )
+    assert (g40.grid, g40.block_h, g40.heads_per_prog, g40.block_n) == ((2, 6, 11), 16, 16, 64)
+    for group, block_h, block_n in ((1, 1, 64), (2, 2, 32), (3, 4, 16), (8, 8, 8)):
+        gqa = launch_config(
+            "decode", batch=1, heads=group * 4, kv_heads=4, lk=128, max_seq_len=64, device="cuda", num_sms=8
+        )
+        assert (gqa.block_h, gqa.heads_per_prog, gqa.block_n, gqa.grid[1]) == (block_h, group, block_n, 4)
+    ext = launch_config("extend", batch=3, max_seq_len=4096, max_q_len=100, **mla)
+    assert (ext.grid, ext.block_m, ext.block_n, ext.num_warps) == ((3, 128, 7), 16, 32, 8)
+    ext = launch_config(
+        "extend", batch=3, heads=8, kv_heads=8, lk=128, max_seq_len=64, max_q_len=100, device="cuda"
+    )
+    assert (ext.grid, ext.block_m, ext.block_n, ext.num_warps) == ((3, 8, 2), 64, 64, 4)
+
+
+def test_launch_config_in_the_interpreter():
+    """Big key blocks and at most 2 splits there (each program costs milliseconds)."""
+    dec = launch_config(
+        "decode", batch=1, heads=128, kv_heads=1, lk=576, max_seq_len=4096, device="interpret"
+    )
+    assert (dec.grid, dec.block_n) == ((1, 8, 2), 64)
+    ext = launch_config(
+        "extend", batch=1, heads=4, kv_heads=1, lk=576, max_seq_len=64, max_q_len=40, device="interpret"
+    )
+    assert (ext.grid, ext.block_m, ext.block_n) == ((1, 4, 2), 32, 64)
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,lk,lv,lens",
+    [
+        (128, 1, 576, 512, ([300, 45], [1, 1])),  # DeepSeek-V3 at attention TP 1: MLA, 128 heads per KV head
+        (128, 1, 576, 512, ([40, 9], [6, 9])),
+        (40, 1, 128, 128, ([300, 45], [1, 1])),  # 40 heads per KV head: 16 + 16 + 8 per program
+        (40, 1, 128, 128, ([40, 9], [6, 9])),
+        (8, 2, 128, 128, ([300, 45], [1, 1])),  # 4 per KV head: no tl.dot, 16 keys per iteration
+        (4, 4, 64, 64, ([300, 45], [1, 1])),  # MHA
+    ],
+    ids=["mla128-decode", "mla128-extend", "gqa40-decode", "gqa40-extend", "gqa4-decode", "mha-decode"],
+)
+def test_kernels_at_gpu_launch(heads, kv_heads, lk, lv, lens):
+    """The kernels with the block sizes, splits and grid a GPU (132 SMs) would use, in the interpreter,
+    against SDPA."""
+    meta, num_slots = make_meta(*lens)
+    g = torch.Generator().manual_seed(3)
+    if kv_heads == 1 and lk != lv:  # MLA: values are the first lv columns of the latent
+        k = torch.randn(num_slots, 1, lk, generator=g)
+        v = k[:, :, :lv]
+    else:
+        k, v = (
+            torch.randn(num_slots, kv_heads, lk, generator=g),
+            torch.randn(num_slots, kv_heads, lv, generator=g),
+        )
+    q = torch.randn(meta.num_tokens, heads, lk, generator=g)
+    out = torch.empty(meta.num_tokens, heads, lv)
+    args = (q, k, v, meta.req_to_token, meta.req_idx, meta.seq_lens)
+    shape = dict(
+        batch=meta.batch_size, heads=heads, kv_heads=kv_heads, lk=lk, device="cuda", num_sms=H200_SMS
+    )
+    if meta.max_q_len == 1:
+        launch = launch_config("decode", max_seq_len=meta.max_seq_len, **shape)
+        assert launch.num_splits == 3 if heads == 128 else launch.num_splits > 1  # splits really merge
+        decode_attention(*args, out, lk**-0.5, launch=launch)
+    else:
+        launch = launch_config("extend", max_seq_len=meta.max_seq_len, max_q_len=meta.max_q_len, **shape)
+        extend_attention(*args, meta.q_start, out, lk**-0.5, meta.max_q_len, launch=launch)
+    ref = SdpaBackend()
+    m = AttentionMetadata(**{**meta.__dict__, "state": {}})
+    ref.prepare(m)
+    if kv_heads == 1 and lk != lv:
+        expected = ref.mla(q, k[:, 0], m, lk**-0.5, lv)
+    else:
+        expected = ref.gqa(q, k, v, m, lk**-0.5)
+    torch.testing.assert_close(out, expected, **TOL)

@@ -3,11 +3,17 @@ per-expert loop the CPU runs (`dpserve.layers.mlp.experts_loop`)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from dpserve import memory
 from dpserve.layers.fused_moe import fused_experts, moe_align_block_size
+from dpserve.layers.mlp import MoE
 from dpserve.layers.mlp import experts_loop as loop_reference
+from dpserve.layers.norm import RMSNorm
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 
@@ -79,3 +85,65 @@ def test_half_precision():
         got = fused_experts(*args[:4], ids)
         assert got.dtype == dtype
         torch.testing.assert_close(got.float(), ref, atol=5e-2, rtol=5e-2)
+
+
+class LargestAllocations(TorchDispatchMode):
+    """Records the shape and dtype of every tensor an operator returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.made: list[tuple[tuple[int, ...], torch.dtype]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                self.made.append((tuple(t.shape), t.dtype))
+        return out
+
+
+def moe_layer(hidden=32, inter=16, experts=8, top_k=2) -> MoE:
+    cfg = SimpleNamespace(
+        hidden_size=hidden,
+        n_routed_experts=experts,
+        num_experts_per_tok=top_k,
+        topk_method="noaux_tc",
+        scoring_func="sigmoid",
+        n_group=4,
+        topk_group=2,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+    )
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # as the engine builds it: the router stays float32
+    try:
+        moe = MoE(cfg, inter, inter)
+    finally:
+        torch.set_default_dtype(previous)
+    g = torch.Generator().manual_seed(5)
+    for p in moe.parameters():
+        p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+    return moe
+
+
+def test_moe_and_norm_take_rows_in_bounded_chunks(monkeypatch):
+    """A prefill step's gathered rows go through the router (float32) and the experts, and through
+    RMSNorm's float32 statistics, a bounded chunk at a time: no float32 copy of all the rows, and the
+    same outputs and expert counts as in one piece."""
+    moe, norm = moe_layer(), RMSNorm(32, 1e-6).to(torch.bfloat16)
+    norm.weight.uniform_(0.5, 1.5)
+    rows = 300
+    x = torch.randn(rows, 32, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    real = torch.ones(rows, dtype=torch.long)
+    whole_moe, whole_norm = moe(x, None, real), norm(x)
+    whole_load = moe.load.clone()
+    moe.load.zero_()
+    budget = 4096  # a few dozen rows per chunk
+    monkeypatch.setattr(memory, "ACTIVATION_CHUNK_BYTES", budget)
+    assert 1 < memory.moe_chunk_rows(32, 16, 2, 8, 2) < 100
+    with LargestAllocations() as seen:
+        chunked_moe, chunked_norm = moe(x, None, real), norm(x)
+    big = [(shape, dtype) for shape, dtype in seen.made if shape and shape[0] == rows]
+    assert big and all(dtype == torch.bfloat16 for _, dtype in big), big  # outputs only, no float32 copy
+    assert torch.equal(chunked_norm, whole_norm) and torch.equal(moe.load, whole_load)
+    torch.testing.assert_close(chunked_moe, whole_moe, atol=2e-2, rtol=2e-2)

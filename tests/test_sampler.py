@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from dpserve.sampling_params import SamplingParams
 from dpserve.worker.sampler import sample
@@ -57,3 +60,27 @@ def test_seeded_rows_do_not_depend_on_their_batch():
     ]
     batch = sample(logits, [other, seeded, SamplingParams(temperature=0.0)], gens).tokens
     assert batch[1] == alone[0]
+
+
+class CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.calls: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_every_row_chosen_at_once():
+    """Greedy and sampled rows of a batch chosen by two argmaxes over all rows, whatever the batch
+    size, with no scalar read back per request (each is a device sync on a GPU); the same tokens
+    as each request sampled alone."""
+    logits = torch.randn(12, 50, generator=torch.Generator().manual_seed(2))
+    params = [SamplingParams(temperature=0.0 if i % 3 == 0 else 0.7, top_k=20, seed=i) for i in range(12)]
+    with CountOps() as ops:
+        batch = sample(logits, params, [torch.Generator().manual_seed(i) for i in range(12)])
+    assert ops.calls["argmax"] == 2 and ops.calls["_local_scalar_dense"] == 0, ops.calls
+    for i in range(12):
+        alone = sample(logits[i : i + 1], params[i : i + 1], [torch.Generator().manual_seed(i)])
+        assert alone.tokens[0] == batch.tokens[i] and alone.logprobs[0] == batch.logprobs[i]

@@ -3,13 +3,16 @@ rejection and abort. Tokens are "sampled" by a fixed rule, so runs are exact and
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from dpserve.kvcache.radix_cache import RadixTree
 from dpserve.sampling_params import SamplingParams
 from dpserve.scheduler.request import GenerateRequest
-from dpserve.scheduler.scheduler import MAX_RETRACTIONS, Scheduler
+from dpserve.scheduler.scheduler import MAX_RETRACTIONS, Scheduler, largest_step
 from dpserve.speculative.rejection import greedy_accept
+from dpserve.worker.model_runner import peak_step
 
 
 def make(
@@ -37,6 +40,9 @@ def step(s: Scheduler, rule=next_token):
     """Runs one step: checks the plan against the request-to-slot table a rank keeps; the "model"
     verifies drafts greedily by `rule`."""
     plan = s.schedule()
+    # Never more tokens than the step whose activation peak the workers measure at start-up.
+    prompts, decoding = largest_step(s.chunk_size, s.max_running, s.num_drafts, s.context_len)
+    assert plan.num_tokens <= sum(prompts) + decoding * (1 + s.num_drafts)
     table = s.__dict__.setdefault("rank_table", {})  # row -> {position: slot}, as a rank's table
     for r in plan.reqs:
         row = table.setdefault(r.row, {})
@@ -118,6 +124,25 @@ def test_prefill_budget_is_not_eaten_by_decodes():
     s.add(request("late", 6, first=100))
     plan, _ = step(s)
     assert plan.mode == "extend" and plan.num_tokens == 4 + 4  # a 4-token chunk beside 4 decodes
+
+
+def test_largest_step_is_reached_and_measured():
+    """A prefill chunk beside every other running request's token and drafts: more than
+    --chunked-prefill-size rows in one step, exactly the largest step, which is what the workers
+    run to measure their activation peak at start-up."""
+    s = Scheduler(0, 200, 4, 4, 100, 300, eos_ids=(1,), seed=0, num_drafts=2, speculative_algorithm="NEXTN")
+    for i in range(3):
+        s.add(request(f"d{i}", 1, new=50, first=10 * i + 3))
+    step(s)
+    s.set_drafts([[5, 6]] * 3)  # the MTP layer's chains
+    s.add(request("late", 6, first=100))
+    plan, _ = step(s)
+    assert plan.mode == "extend" and plan.num_tokens == 4 + 3 * (1 + 2) > s.chunk_size
+    assert largest_step(4, 4, 2, 100) == ([4], 3) and largest_step(10, 4, 2, 4) == ([4, 4], 2)
+    cfg = SimpleNamespace(chunked_prefill_size=4, max_running_requests=4, num_drafts=2)
+    measured = peak_step(cfg, 100)
+    assert measured.num_tokens == plan.num_tokens and measured.num_logit_rows == 1 + 3 * 3
+    assert [len(r.tokens) for r in measured.reqs] == [4, 3, 3, 3]
 
 
 def test_oversubscribed_pool_retracts_and_every_output_is_unchanged():

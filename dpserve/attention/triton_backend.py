@@ -7,17 +7,16 @@ import torch
 
 from dpserve.attention.backend import AttentionBackend, AttentionMetadata
 from dpserve.attention.triton_kernels import decode_attention, extend_attention
-from dpserve.triton_setup import INTERPRET
 
 
 class TritonBackend(AttentionBackend):
     """Decode kernel (split-K) when every request feeds exactly one token, extend kernel otherwise.
 
-    num_kv_splits: context slices per request in decode; default 8 on a GPU, 2 in Triton's
-    interpreter (each program costs milliseconds there)."""
+    num_kv_splits: context slices per request in decode; by default `launch_config` chooses them
+    from the step's longest context, heads per KV head and the device's SMs."""
 
     def __init__(self, num_kv_splits: int | None = None):
-        self.num_kv_splits = num_kv_splits or (2 if INTERPRET else 8)
+        self.num_kv_splits = num_kv_splits
 
     def mla(self, q, cache, meta, scale, v_dim):
         return self._attend(q, cache[:, None, :], cache[:, None, :v_dim], meta, scale)
@@ -32,5 +31,7 @@ class TritonBackend(AttentionBackend):
         common = (q, k, v, meta.req_to_token, meta.req_idx, meta.seq_lens)
         # Both are ints fixed per step (and per captured graph): one token per request exactly.
         if meta.max_q_len == 1 and meta.num_tokens == meta.batch_size:
-            return decode_attention(*common, out, scale, num_kv_splits=self.num_kv_splits)
+            return decode_attention(
+                *common, out, scale, num_kv_splits=self.num_kv_splits, max_seq_len=meta.max_seq_len
+            )
         return extend_attention(*common, meta.q_start, out, scale, meta.max_q_len)

@@ -7,7 +7,7 @@ last q_len of them new this step (the model writes their KV before attention run
 - `decode_attention`: one query token per request, split-K (flash-decoding): each of
   `num_kv_splits` programs per (request, head block) reduces a slice of the context to a partial
   output and its log-sum-exp; a second kernel merges the slices. Query heads sharing one KV head
-  are processed together (BLOCK_H rows), so MLA (one latent KV head for every query head) reads
+  are processed together (up to 16 per program), so MLA (one latent KV head for every query head) reads
   each KV entry once per head block rather than once per head.
 - `extend_attention`: any number of new tokens per request (prefill, chunked prefill, prefix
   cache hits), causal over the cached prefix and the new tokens.
@@ -19,10 +19,16 @@ part and a masked remainder, the value dim is padded with masks.
 
 Grids and buffers depend only on the batch size, head counts and the int bounds passed in, never
 on the lengths' values, so a captured CUDA graph serves any lengths up to the table's width.
+`launch_config` alone chooses block sizes, split count and grid, for the GPU or the interpreter:
+tests call it with the GPU's choices and run them in the interpreter.
 Softmax statistics and accumulators are float32 whatever the input dtype.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+from typing import Literal
 
 import torch
 
@@ -46,9 +52,95 @@ def _upcast(dtype: torch.dtype) -> bool:
     return INTERPRET and dtype == torch.bfloat16
 
 
+@dataclass(frozen=True)
+class Launch:
+    """How one kernel call runs: its grid, block sizes and, in decode, heads per program and splits."""
+
+    grid: tuple[int, int, int]
+    block_n: int  # keys per loop iteration
+    block_m: int = 0  # extend: query rows per program
+    block_h: int = 0  # decode: head rows per program (power of two; a tl.dot from 16 on)
+    heads_per_prog: int = 0  # decode: real heads among them
+    num_splits: int = 1  # decode: context slices reduced in parallel
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+@cache
+def _device_sms() -> int:
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+
+
+def launch_config(
+    kind: Literal["decode", "extend"],
+    *,
+    batch: int,
+    heads: int,
+    kv_heads: int,
+    lk: int,
+    max_seq_len: int,
+    max_q_len: int = 1,
+    device: Literal["cuda", "interpret"] = "interpret" if INTERPRET else "cuda",
+    num_sms: int | None = None,
+    num_splits: int | None = None,
+) -> Launch:
+    """The launch of `decode_attention` or `extend_attention` for these shapes and bounds.
+
+    Decode: a program takes up to 16 query heads of one KV head, as many as the group holds (a
+    one-head group runs without tl.dot, whose rows start at 16, and takes fewer keys per iteration
+    the more heads it has, to bound its registers); the context is cut into enough splits for about
+    two programs per SM (`num_sms`: the current device's when None), one per 4 key blocks of
+    `max_seq_len` at most, unless `num_splits` is given. The interpreter keeps big key blocks and at
+    most 2 splits (each program costs milliseconds there). Only ints enter, so the launch of a
+    captured graph stays valid for any lengths within its bounds."""
+    block_d, block_dpe = _split_dim(lk)
+    gpu = device == "cuda"
+    if kind == "extend":
+        block_m = (16 if lk > 256 else 64) if gpu else 32
+        block_n = (32 if lk > 256 else 64) if gpu else 64
+        grid = (batch, heads, triton.cdiv(max_q_len, block_m))
+        return Launch(grid, block_n, block_m=block_m, num_warps=4 if lk <= 128 else 8, num_stages=1)
+    group = heads // kv_heads
+    per_prog = min(16, group)
+    block_h = triton.next_power_of_2(per_prog)
+    progs_per_kv = triton.cdiv(group, per_prog)
+    if not gpu:
+        block_n = 64
+    elif block_h >= 16:
+        block_n = 32 if lk > 256 else 64
+    else:  # broadcast products of block_h x dim x block_n in registers: about 8K of them
+        block_n = min(64, max(8, 1 << (max(1, 8192 // (block_h * (block_d + block_dpe))).bit_length() - 1)))
+    if num_splits is None:
+        by_length = max(1, triton.cdiv(max_seq_len, 4 * block_n))
+        if gpu:
+            programs = batch * kv_heads * progs_per_kv
+            num_splits = min(by_length, max(1, triton.cdiv(2 * (num_sms or _device_sms()), programs)))
+        else:
+            num_splits = min(by_length, 2)
+    grid = (batch, kv_heads * progs_per_kv, num_splits)
+    return Launch(grid, block_n, block_h=block_h, heads_per_prog=per_prog, num_splits=num_splits)
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     # float32 inputs keep float32 products on the GPU (tf32 would cost ~1e-3 relative error).
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@triton.jit
+def _mm(a, b, USE_DOT: tl.constexpr, PRECISION: tl.constexpr):
+    """a @ b with float32 accumulation: tl.dot from 16 rows of a, broadcast products below."""
+    if USE_DOT:
+        return tl.dot(a, b, input_precision=PRECISION)
+    else:
+        return tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], 1)
+
+
+@triton.jit
+def _row_head_offset(b, h, stride_b, stride_h):
+    """Offset of (request b, heads h) in a [batch, heads, ...] buffer, in int64: the split-K scratch
+    holds batch x heads x splits x dv floats, past 2^31 from a batch of 4,097 at MLA's shapes
+    (128 heads, 8 splits, 512 values), while program ids and strides arrive as int32."""
+    return b.to(tl.int64) * stride_b + h * stride_h
 
 
 @triton.jit
@@ -75,7 +167,7 @@ def _decode_split_kernel(
     stride_lb,
     stride_lh,
     GROUP: tl.constexpr,  # query heads per KV head
-    HEADS_PER_PROG: tl.constexpr,  # min(BLOCK_H, GROUP)
+    HEADS_PER_PROG: tl.constexpr,  # min(16, GROUP)
     PROGS_PER_KV: tl.constexpr,  # cdiv(GROUP, HEADS_PER_PROG)
     LK: tl.constexpr,
     LV: tl.constexpr,
@@ -85,6 +177,7 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_H: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    USE_DOT: tl.constexpr,  # BLOCK_H >= 16
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
@@ -129,12 +222,12 @@ def _decode_split_kernel(
             k = tl.load(k_ptr + offs_d[:, None], mask=mask_n[None, :] & mask_d[:, None], other=0.0)
             if UPCAST:
                 k = k.to(tl.float32)
-            qk = tl.dot(q, k, input_precision=PRECISION)
+            qk = _mm(q, k, USE_DOT, PRECISION)
             if BLOCK_DPE > 0:
                 kpe = tl.load(k_ptr + offs_dpe[:, None], mask=mask_n[None, :] & mask_dpe[:, None], other=0.0)
                 if UPCAST:
                     kpe = kpe.to(tl.float32)
-                qk += tl.dot(qpe, kpe, input_precision=PRECISION)
+                qk += _mm(qpe, kpe, USE_DOT, PRECISION)
             qk = tl.where(mask_h[:, None] & mask_n[None, :], qk * scale, float("-inf"))
             v_ptr = V + slots[:, None] * stride_vs + kv_head * stride_vh
             v = tl.load(v_ptr + offs_dv[None, :], mask=mask_n[:, None] & mask_dv[None, :], other=0.0)
@@ -144,10 +237,10 @@ def _decode_split_kernel(
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # masked heads: all -inf
             alpha = tl.exp(m_i - m_safe)
             p = tl.exp(qk - m_safe[:, None])
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            acc = acc * alpha[:, None] + _mm(p.to(v.dtype), v, USE_DOT, PRECISION)
             l_i = l_i * alpha + tl.sum(p, 1)
             m_i = m_new
-        out_ptr = MidO + b * stride_mb + heads[:, None] * stride_mh + split * stride_ms
+        out_ptr = MidO + _row_head_offset(b, heads[:, None], stride_mb, stride_mh) + split * stride_ms
         safe_l = tl.where(l_i > 0, l_i, 1.0)
         tl.store(out_ptr + offs_dv[None, :], acc / safe_l[:, None], mask=mask_h[:, None] & mask_dv[None, :])
         lse = tl.where(l_i > 0, m_i + tl.log(safe_l), float("-inf"))
@@ -180,7 +273,7 @@ def _decode_reduce_kernel(
     m_i = float("-inf")
     l_i = 0.0
     acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
-    base = b * stride_mb + h * stride_mh
+    base = _row_head_offset(b, h, stride_mb, stride_mh)
     lse_base = b * stride_lb + h * stride_lh
     for s in range(NUM_SPLITS):
         if s * split_len < seq_len:  # empty slices wrote nothing
@@ -207,9 +300,9 @@ def decode_attention(
     seq_lens: torch.Tensor,
     out: torch.Tensor,
     scale: float,
-    num_kv_splits: int = 8,
-    block_n: int | None = None,
-    block_h: int = 16,
+    num_kv_splits: int | None = None,
+    max_seq_len: int | None = None,
+    launch: Launch | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per request against its whole context in the paged pool.
 
@@ -217,8 +310,10 @@ def decode_attention(
     strides, last dim contiguous; MLA passes views of one cache); req_to_token [rows, width]
     int32; req_idx, seq_lens [batch] int (seq_lens count the new token; padded rows use row 0 and
     seq_len 1); out [batch, heads, dv], written and returned. heads must be a multiple of kv_heads.
-    The context is cut into `num_kv_splits` slices reduced in parallel, then merged; the grid and
-    the float32 scratch ([batch, heads, num_kv_splits, dv]) depend only on the shapes.
+    The context is cut into slices reduced in parallel, then merged: `launch` (by default
+    `launch_config` for max_seq_len, the table's width when None, and num_kv_splits) sets their
+    number and the grid; the grid and the float32 scratch ([batch, heads, splits, dv]) depend only
+    on the shapes and these bounds.
     """
     batch, heads, lk = q.shape
     kv_heads, lv = k_cache.shape[1], v_cache.shape[2]
@@ -226,15 +321,21 @@ def decode_attention(
     assert q.stride(2) == 1 and k_cache.stride(2) == 1 and v_cache.stride(2) == 1 and out.stride(2) == 1
     if batch == 0:
         return out
-    group = heads // kv_heads
-    per_prog = min(block_h, group)
-    progs_per_kv = triton.cdiv(group, per_prog)
+    if launch is None:
+        launch = launch_config(
+            "decode",
+            batch=batch,
+            heads=heads,
+            kv_heads=kv_heads,
+            lk=lk,
+            max_seq_len=max_seq_len or req_to_token.shape[1],
+            num_splits=num_kv_splits,
+        )
+    splits = launch.num_splits
     block_d, block_dpe = _split_dim(lk)
-    if block_n is None:
-        block_n = 64 if INTERPRET else (32 if lk > 256 else 64)
-    mid_o = torch.empty((batch, heads, num_kv_splits, lv), dtype=torch.float32, device=q.device)
-    mid_lse = torch.empty((batch, heads, num_kv_splits), dtype=torch.float32, device=q.device)
-    _decode_split_kernel[(batch, kv_heads * progs_per_kv, num_kv_splits)](
+    mid_o = torch.empty((batch, heads, splits, lv), dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty((batch, heads, splits), dtype=torch.float32, device=q.device)
+    _decode_split_kernel[launch.grid](
         q,
         k_cache,
         v_cache,
@@ -256,21 +357,22 @@ def decode_attention(
         mid_o.stride(2),
         mid_lse.stride(0),
         mid_lse.stride(1),
-        GROUP=group,
-        HEADS_PER_PROG=per_prog,
-        PROGS_PER_KV=progs_per_kv,
+        GROUP=heads // kv_heads,
+        HEADS_PER_PROG=launch.heads_per_prog,
+        PROGS_PER_KV=launch.grid[1] // kv_heads,
         LK=lk,
         LV=lv,
         BLOCK_D=block_d,
         BLOCK_DPE=block_dpe,
         BLOCK_DV=_block_dv(lv),
-        BLOCK_N=block_n,
-        BLOCK_H=max(16, triton.next_power_of_2(per_prog)),
-        NUM_SPLITS=num_kv_splits,
+        BLOCK_N=launch.block_n,
+        BLOCK_H=launch.block_h,
+        NUM_SPLITS=splits,
+        USE_DOT=launch.block_h >= 16,
         PRECISION=_dot_precision(q.dtype),
         UPCAST=_upcast(q.dtype),
-        num_warps=4,
-        num_stages=2,
+        num_warps=launch.num_warps,
+        num_stages=launch.num_stages,
     )
     _decode_reduce_kernel[(batch, heads)](
         mid_o,
@@ -286,7 +388,7 @@ def decode_attention(
         out.stride(1),
         LV=lv,
         BLOCK_DV=_block_dv(lv),
-        NUM_SPLITS=num_kv_splits,
+        NUM_SPLITS=splits,
         num_warps=4,
     )
     return out
@@ -403,8 +505,7 @@ def extend_attention(
     out: torch.Tensor,
     scale: float,
     max_q_len: int,
-    block_m: int | None = None,
-    block_n: int | None = None,
+    launch: Launch | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's new tokens against its prefix and themselves.
 
@@ -415,7 +516,7 @@ def extend_attention(
     the other arguments are as in `decode_attention`, with out [tokens, heads, dv]. max_q_len
     bounds every q_len; it and the shapes alone set the grid (requests with fewer new tokens exit
     early), so a captured graph serves any lengths within the bounds. Rows of q past the last
-    request's are left unwritten.
+    request's are left unwritten. `launch`: `launch_config`'s by default.
     """
     tokens, heads, lk = q.shape
     batch = req_idx.shape[0]
@@ -424,12 +525,18 @@ def extend_attention(
     assert q.stride(2) == 1 and k_cache.stride(2) == 1 and v_cache.stride(2) == 1 and out.stride(2) == 1
     if batch == 0 or max_q_len == 0:
         return out
+    if launch is None:
+        launch = launch_config(
+            "extend",
+            batch=batch,
+            heads=heads,
+            kv_heads=kv_heads,
+            lk=lk,
+            max_seq_len=req_to_token.shape[1],
+            max_q_len=max_q_len,
+        )
     block_d, block_dpe = _split_dim(lk)
-    if block_m is None:
-        block_m = 32 if INTERPRET else (16 if lk > 256 else 64)
-    if block_n is None:
-        block_n = 64 if INTERPRET else (32 if lk > 256 else 64)
-    _extend_kernel[(batch, heads, triton.cdiv(max_q_len, block_m))](
+    _extend_kernel[launch.grid](
         q,
         k_cache,
         v_cache,
@@ -454,11 +561,11 @@ def extend_attention(
         BLOCK_D=block_d,
         BLOCK_DPE=block_dpe,
         BLOCK_DV=_block_dv(lv),
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
+        BLOCK_M=launch.block_m,
+        BLOCK_N=launch.block_n,
         PRECISION=_dot_precision(q.dtype),
         UPCAST=_upcast(q.dtype),
-        num_warps=4 if lk <= 128 else 8,
-        num_stages=1,
+        num_warps=launch.num_warps,
+        num_stages=launch.num_stages,
     )
     return out

@@ -89,12 +89,17 @@ class DPComm:
         return all_gather(rows, self.groups.attn_tp)[: layout.local_rows]
 
     def gather_logit_rows(self, rows: torch.Tensor, layout: StepLayout) -> torch.Tensor:
-        """Assembles every group's rows to sample (for the WORLD vocab-parallel LM head)."""
-        offset = sum(layout.logit_rows[: layout.dp_rank])
-        buf = rows.new_zeros((sum(layout.logit_rows), rows.shape[1]))
-        if self.is_leader:
-            buf[offset : offset + rows.shape[0]] = rows
-        return all_reduce(buf, self.groups.world)
+        """Assembles every group's rows to sample (for the WORLD vocab-parallel LM head), in the
+        rows' dtype. An all-gather of uneven parts: each rank of a group sends its 1/A of the group's
+        rows to every rank (half the bytes of all-reducing a zero-padded buffer)."""
+        if self.groups.world is None:
+            return rows
+        a, own = layout.attn_tp_size, self.groups.topo.attn_tp_rank
+        parts = [_part(n, a, j) for n in layout.logit_rows for j in range(a)]  # rows of each rank
+        mine = rows[sum(parts[layout.dp_rank * a : layout.dp_rank * a + own]) :][
+            : _part(rows.shape[0], a, own)
+        ]
+        return all_to_all(mine.repeat(len(parts), 1), [mine.shape[0]] * len(parts), parts, self.groups.world)
 
     def scatter_logits(self, shard: torch.Tensor, layout: StepLayout) -> torch.Tensor:
         """From every rank's vocabulary shard of every group's rows [rows, vocab_shard], returns this
@@ -108,3 +113,9 @@ class DPComm:
         world = len(dests)
         recv = all_to_all(send, [counts[g] for g in dests], [n] * world, self.groups.world)
         return recv.view(world, n, shard.shape[1]).transpose(0, 1).reshape(n, world * shard.shape[1])
+
+
+def _part(n: int, parts: int, j: int) -> int:
+    """Rows of part j when n rows are cut into `parts` near-equal consecutive parts."""
+    size = -(-n // parts)
+    return max(0, min(size, n - j * size))

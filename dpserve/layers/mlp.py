@@ -11,6 +11,7 @@ from torch.distributed import ProcessGroup
 
 from dpserve.layers.ep_dispatch import dispatch_combine
 from dpserve.layers.linear import Linear
+from dpserve.memory import moe_chunk_rows
 from dpserve.step.records import StepLayout
 
 
@@ -117,6 +118,26 @@ class MoE(nn.Module):
         """Rows of every group (TP MoE, EP gathering rows) or this rank's own (all_to_all; a padded
         `layout` takes the fixed-capacity dispatch); `real_rows` (1 real, 0 padding) counts the
         real rows' choices into `load`."""
+        out = self.shared_experts(x) if self.shared_experts is not None else torch.zeros_like(x)
+        if self.a2a:
+            world = self.gate.shape[0] // self.num_experts
+            padded = layout is not None and layout.padded
+            weights, ids = self._route(x, real_rows)
+            routed = dispatch_combine(
+                x, weights, ids, self.num_experts, world, self.world_group, self._unweighted, padded
+            )
+            return out.add_(routed)
+        # Every group's rows (dp x the step's tokens): router and experts a bounded chunk at a time.
+        step = moe_chunk_rows(x.shape[1], self.w2.shape[2], self.top_k, self.gate.shape[0], x.element_size())
+        for lo in range(0, x.shape[0], step):
+            rows = slice(lo, lo + step)
+            weights, ids = self._route(x[rows], None if real_rows is None else real_rows[rows])
+            # Experts of other ranks (expert-parallel) fall outside [0, num_experts): skipped.
+            out[rows] += self._routed(x[rows], weights, ids - self.first_expert)
+        return out
+
+    def _route(self, x: torch.Tensor, real_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, expert ids) of each row, from float32 router logits; counts real rows' choices."""
         logits = F.linear(x.float(), self.gate)
         weights, ids = select_experts(
             logits,
@@ -131,16 +152,7 @@ class MoE(nn.Module):
         )
         if real_rows is not None:
             self.load.index_add_(0, ids.flatten(), real_rows.repeat_interleave(self.top_k))
-        out = self.shared_experts(x) if self.shared_experts is not None else torch.zeros_like(x)
-        if self.a2a:
-            world = self.gate.shape[0] // self.num_experts
-            padded = layout is not None and layout.padded
-            routed = dispatch_combine(
-                x, weights, ids, self.num_experts, world, self.world_group, self._unweighted, padded
-            )
-            return out.add_(routed)
-        # Experts of other ranks (expert-parallel) fall outside [0, num_experts): skipped.
-        return out.add_(self._routed(x, weights, ids - self.first_expert))
+        return weights, ids
 
     def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """This rank's experts' weighted sum per row (`ids`: local expert indices)."""

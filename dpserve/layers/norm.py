@@ -1,6 +1,8 @@
 import torch
 from torch import nn
 
+from dpserve.memory import chunk_rows
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -9,6 +11,17 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The float32 statistics of a bounded chunk of rows at a time (the gathered rows of a long
+        # prefill step would otherwise be copied whole in float32, twice).
+        step = chunk_rows(2 * 4 * x.shape[-1])
+        if x.shape[0] <= step:
+            return self._norm(x)
+        out = x.new_empty(x.shape, dtype=torch.promote_types(self.weight.dtype, x.dtype))
+        for lo in range(0, x.shape[0], step):
+            out[lo : lo + step] = self._norm(x[lo : lo + step])
+        return out
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)

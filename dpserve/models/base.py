@@ -134,12 +134,13 @@ class CausalLM(nn.Module):
 
     def lm_head_logits(self, rows: torch.Tensor, layout: StepLayout) -> torch.Tensor:
         """Full-vocabulary logits (float32) of this group's normed `rows` (`layout.logit_rows` of them)."""
+        # Logits travel in the model's dtype (half the bytes of float32) and are upcast on arrival.
         if self.dp_lm_head:  # this group's rows, the vocabulary split inside the group
-            shard = F.linear(rows, self.lm_head).float()  # [own rows, vocab_shard]
-            return all_gather(shard.t(), self.groups.attn_tp).t()[:, : self.cfg.vocab_size]
+            shard = F.linear(rows, self.lm_head)  # [own rows, vocab_shard]
+            return all_gather(shard.t(), self.groups.attn_tp).t()[:, : self.cfg.vocab_size].float()
         rows = self.comm.gather_logit_rows(rows, layout)
-        shard = F.linear(rows, self.lm_head).float()  # [every group's rows, vocab_shard]
-        return self.comm.scatter_logits(shard, layout)[:, : self.cfg.vocab_size]
+        shard = F.linear(rows, self.lm_head)  # [every group's rows, vocab_shard]
+        return self.comm.scatter_logits(shard, layout)[:, : self.cfg.vocab_size].float()
 
     @torch.no_grad()
     def draft(

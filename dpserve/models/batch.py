@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -37,21 +38,34 @@ class ForwardBatch:
         seq_lens: list[int],
         logit_idx: list[int],
         own_rank: int | None = None,
+        table_writes: tuple[list[int], list[int], list[int]] | None = None,
     ) -> ForwardBatch:
         """The batch of `layout.local_rows` rows (padding included) from per-token and per-request
         lists (`req_rows`, `q_lens`, `seq_lens`: one entry per attention request); `own_rank`: the
-        attention TP rank, when the MoE runs on each rank's own rows."""
+        attention TP rank, when the MoE runs on each rank's own rows; `table_writes`: (rows,
+        columns, slots) entries of the request-to-slot table this step writes. Every list reaches
+        the device in one copy (`stage`)."""
         dev = req_to_token.device
-
-        def ids(values: list[int] | torch.Tensor) -> torch.Tensor:
-            return torch.as_tensor(values, dtype=torch.long, device=dev)
-
-        q_start = torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        lists = {
+            "input_ids": input_ids,
+            "positions": positions,
+            "out_slots": out_slots,
+            "req_idx": req_rows,
+            "seq_lens": seq_lens,
+            "q_start": [0, *accumulate(q_lens)],
+            "logit_idx": logit_idx,
+        }
+        if table_writes is not None:
+            lists.update(zip(("rows", "cols", "slots"), table_writes, strict=True))
+        host = {k: v for k, v in lists.items() if not isinstance(v, torch.Tensor)}
+        t = {**lists, **dict(zip(host, stage(list(host.values()), dev), strict=True))}
+        if table_writes is not None and table_writes[0]:
+            req_to_token[t["rows"], t["cols"]] = t["slots"].int()
         attn = AttentionMetadata(
             req_to_token=req_to_token,
-            req_idx=torch.tensor(req_rows, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            q_start=q_start.to(dev),
+            req_idx=t["req_idx"].int(),
+            seq_lens=t["seq_lens"].int(),
+            q_start=t["q_start"].int(),
             num_tokens=layout.local_rows,
             max_q_len=max(q_lens, default=0),
             max_seq_len=max(seq_lens, default=0),
@@ -59,12 +73,19 @@ class ForwardBatch:
             seq_lens_host=list(seq_lens),
         )
         return cls(
-            ids(input_ids),
-            ids(positions),
-            ids(out_slots),
+            t["input_ids"],
+            t["positions"],
+            t["out_slots"],
             attn,
-            ids(logit_idx),
+            t["logit_idx"],
             layout,
             layout.row_index(dev),
             layout.real_rows(dev, own_rank),
         )
+
+
+def stage(values: list[list[int]], device: torch.device) -> list[torch.Tensor]:
+    """Int lists as int64 tensors on `device`: views of one buffer built on the host (pinned when
+    the device is a GPU) and copied once, without blocking the host (pageable copies would, each)."""
+    host = torch.tensor([x for v in values for x in v], dtype=torch.long, pin_memory=device.type == "cuda")
+    return list(host.to(device, non_blocking=True).split([len(v) for v in values]))

@@ -18,10 +18,12 @@ from dpserve.memory import (
     kv_budget_bytes,
     kv_bytes_per_token,
     kv_pool_tokens,
+    moe_chunk_rows,
     param_bytes,
 )
 from dpserve.models.config import ModelConfig
 from dpserve.models.registry import build_model
+from dpserve.scheduler.scheduler import largest_step
 
 MOE_PLACEMENTS = ("tp", "ep", "ep-a2a")  # TP MoE; EP gathering rows (none); EP with all_to_all dispatch
 
@@ -146,6 +148,14 @@ class LayoutMemory:
         return self.kv_tokens_per_group * self.groups
 
 
+def step_tokens(cfg: EngineConfig, context_len: int) -> int:
+    """Tokens of the largest step a group's scheduler can form (what the engine measures)."""
+    prompts, decoding = largest_step(
+        cfg.chunked_prefill_size, cfg.max_running_requests, cfg.num_drafts, context_len
+    )
+    return sum(prompts) + decoding * (1 + cfg.num_drafts)
+
+
 def activation_peak_estimate(
     hf,
     hidden_size: int,
@@ -172,8 +182,12 @@ def activation_peak_estimate(
     inter = getattr(hf, "intermediate_size", 0) or 0
     if getattr(hf, "n_routed_experts", None):
         inter = max(inter, hf.moe_intermediate_size * (hf.n_shared_experts or 0))
-        # router logits in float32, plus one expert's rows at a time (top_k / experts of all rows)
-        routed = rows * hf.n_routed_experts * 4 + rows * hf.num_experts_per_tok * hidden_size * e
+        # router logits in float32, plus the experts' buffers, a bounded chunk of rows at a time
+        inter_local = -(-hf.moe_intermediate_size // tp_size)
+        chunk = min(
+            rows, moe_chunk_rows(hidden_size, inter_local, hf.num_experts_per_tok, hf.n_routed_experts, e)
+        )
+        routed = chunk * (hf.n_routed_experts * 4 + hf.num_experts_per_tok * (hidden_size + inter_local) * e)
     else:
         routed = 0
     mlp = rows * 3 * -(-inter // tp_size) * e + routed
@@ -247,7 +261,7 @@ def layout_memory(
             model_cfg.num_heads // cfg.attn_tp_size,
             cfg.tp_size,
             cfg.dp_size if cfg.enable_dp_attention else 1,
-            min(cfg.chunked_prefill_size, model_cfg.context_len),
+            step_tokens(cfg, model_cfg.context_len),
             dtype,
             model_cfg.is_mla,
         )

@@ -44,6 +44,20 @@ ESTIMATE_CLIP = 4096  # decode tokens counted per request in the estimate (as SG
 MAX_RETRACTIONS = 3
 
 
+def largest_step(
+    chunk_size: int, max_running: int, num_drafts: int, context_len: int
+) -> tuple[list[int], int]:
+    """The largest step a group's scheduler can form, for the start-up activation peak: (prompt
+    tokens of each prefilling request, decoding requests). Up to `chunk_size` prompt tokens over k
+    requests (at most `context_len` each) while every other running request decodes 1 + `num_drafts`
+    tokens, for the worst k."""
+    steps = (
+        ([min(context_len, chunk_size - i * context_len) for i in range(k)], max_running - k)
+        for k in range(min(max_running, -(-chunk_size // context_len)) + 1)
+    )
+    return max(steps, key=lambda s: sum(s[0]) + s[1] * (1 + num_drafts))
+
+
 class Scheduler:
     def __init__(
         self,

@@ -23,6 +23,7 @@ from dpserve.models.batch import ForwardBatch
 from dpserve.models.config import ModelConfig
 from dpserve.models.loader import load_weights
 from dpserve.models.registry import build_model
+from dpserve.scheduler.scheduler import largest_step
 from dpserve.step.padding import PaddingPolicy
 from dpserve.step.records import BatchReq, GroupBatch, StepLayout
 from dpserve.worker.graph_runner import CudaGraphRunner
@@ -45,6 +46,19 @@ def load_model(cfg: EngineConfig, model_cfg: ModelConfig, groups: Groups, device
     return model
 
 
+def peak_step(cfg: EngineConfig, context_len: int) -> GroupBatch:
+    """The largest step (`largest_step`) as a batch: prompts from position 0 and decoding requests
+    with their drafts (logits for each), every request on its own table row and fresh slots."""
+    d = cfg.num_drafts
+    prompts, decoding = largest_step(cfg.chunked_prefill_size, cfg.max_running_requests, d, context_len)
+    sizes = [(n, False) for n in prompts] + [(1 + d, d > 0)] * decoding
+    batch, used = GroupBatch("extend"), 1  # slot 0: the padding slot
+    for row, (n, verify) in enumerate(sizes, start=1):
+        batch.reqs.append(BatchReq(row, 0, [0] * n, list(range(used, used + n)), sample=True, verify=verify))
+        used += n
+    return batch
+
+
 class ModelRunner:
     def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, groups: Groups, device: torch.device):
         self.cfg, self.model_cfg, self.groups, self.device = cfg, model_cfg, groups, device
@@ -61,7 +75,7 @@ class ModelRunner:
         )
         self.activation_bytes = 0
         self.slots_written = 0  # request-to-slot entries the last step wrote
-        self.forward_seconds = 0.0  # the model's part of the last step (the rest is host work)
+        self._forward_time: float | list[torch.cuda.Event] = 0.0  # see forward_seconds
         self.comm_bytes = 0  # bytes this rank sent in the last step's forward (collectives, LM head included)
         self.hidden: torch.Tensor | None = None  # NEXTN: the last step's hidden states
         # A decode step whose longest request exceeds what a graph's attention reads runs unpadded.
@@ -114,16 +128,18 @@ class ModelRunner:
         return kv_pool_tokens(budget, self.kv_bytes_per_token, cfg.max_total_tokens)
 
     def _measure_activation_peak(self) -> int:
-        """Peak memory of a warm-up prefill of the largest chunk in every DP group (all ranks
-        together: the forward joins every WORLD collective), on a temporary pool."""
-        n = min(self.cfg.chunked_prefill_size, self.model_cfg.context_len)
+        """Peak memory of a warm-up forward of the largest step the scheduler can form, in every DP
+        group (all ranks together: the forward joins every WORLD collective), on a temporary pool."""
+        batch = peak_step(self.cfg, self.model_cfg.context_len)
+        n = batch.num_tokens
         pool = KVPool(self.model_cfg.num_layers, n, self.kv_shapes, self.dtype, self.device)
-        batch = GroupBatch(
-            "extend", [BatchReq(row=1, start=0, tokens=[0] * n, slots=list(range(1, n + 1)), sample=True)]
-        )
         topo = self.topo
         layout = StepLayout(
-            "sum_len", (n,) * topo.dp_size, (1,) * topo.dp_size, topo.dp_rank, topo.attn_tp_size
+            "sum_len",
+            (n,) * topo.dp_size,
+            (batch.num_logit_rows,) * topo.dp_size,
+            topo.dp_rank,
+            topo.attn_tp_size,
         )
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
@@ -139,16 +155,32 @@ class ModelRunner:
     def forward(self, batch: GroupBatch, layout: StepLayout) -> torch.Tensor:
         """Runs the model on this group's batch (possibly empty); returns logits of sampled rows."""
         inputs = self._inputs(batch, layout)
+        # On the GPU the forward is timed by events, read once the step's results are on the host:
+        # no synchronisation of its own.
+        events = (
+            [torch.cuda.Event(enable_timing=True) for _ in range(2)] if self.device.type == "cuda" else []
+        )
         start, sent = time.perf_counter(), SENT.total
+        for e in events[:1]:
+            e.record()
         hidden = self._hidden(inputs)
         if self.model.mtp is not None:
             self.hidden = hidden  # NEXTN's MTP forwards pair it with the accepted tokens
         logits = self.model.compute_logits(hidden, inputs)
-        if logits.is_cuda:
-            torch.cuda.synchronize(self.device)
-        self.forward_seconds = time.perf_counter() - start
+        for e in events[1:]:
+            e.record()
+        self._forward_time = events or time.perf_counter() - start
         self.comm_bytes = SENT.total - sent
         return logits
+
+    @property
+    def forward_seconds(self) -> float:
+        """The model's part of the last step (the rest is host work)."""
+        if isinstance(self._forward_time, float):
+            return self._forward_time
+        start, end = self._forward_time
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
 
     def take_expert_load(self) -> torch.Tensor | None:
         """Rows routed to each expert of each MoE layer since the last call, over every group
@@ -176,17 +208,13 @@ class ModelRunner:
 
     def _inputs(self, batch: GroupBatch, layout: StepLayout) -> ForwardBatch:
         """The step's inputs; host work proportional to the new tokens, not to the contexts."""
-        dev, reqs = self.device, batch.reqs
+        reqs = batch.reqs
         rows, cols, slots = [], [], []  # request-to-slot table entries written this step
         for r in reqs:
             rows += [r.row] * (len(r.prefix) + len(r.slots))
             cols += range(r.start - len(r.prefix), r.seq_len)
             slots += r.prefix + r.slots
         self.slots_written = len(slots)  # a decode step writes one per request, whatever the contexts
-        if slots:
-            self.req_to_token[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = torch.tensor(
-                slots, dtype=torch.int32, device=dev
-            )
         positions = [p for r in reqs for p in range(r.start, r.seq_len)]
         # Rows to return logits for: a request's last, or every one of a verify step's.
         ends = list(accumulate(len(r.tokens) for r in reqs))
@@ -216,4 +244,5 @@ class ModelRunner:
             seq_lens + [1] * pad,
             logit_idx,
             self.model.moe_own_rank,
+            table_writes=(rows, cols, slots),
         )

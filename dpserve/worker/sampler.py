@@ -116,35 +116,50 @@ def sample(
     starts = [0, *accumulate(1 + len(d) for d in drafts)]
     if penalties is not None or any(p.logit_bias for p in params):
         logits = adjust_logits(logits, params, drafts, starts, penalties)
-    argmax = logits.argmax(-1).tolist()
+    dev = logits.device
     sampled = [i for i, p in enumerate(params) if not p.greedy]
-    rows = torch.tensor([r for i in sampled for r in range(starts[i], starts[i + 1])], device=logits.device)
+    rows = torch.tensor([r for i in sampled for r in range(starts[i], starts[i + 1])], device=dev)
     probs = (
         filtered_probs(logits[rows], [params[i] for i in sampled for _ in range(1 + len(drafts[i]))])
         if sampled
         else None
     )
-    tokens, offset = [], 0
+    offsets = dict(zip(sampled, accumulate([0, *(1 + len(drafts[i]) for i in sampled)]), strict=False))
+    # Every row's choice in one tensor: the argmax, or for a sampled row without drafts the
+    # exponential race (each request's noise from its own generator), then one transfer of the
+    # choices and their log-probabilities (no device sync per request).
+    choice = logits.argmax(-1)
+    racing = [i for i in sampled if not drafts[i]]
+    if racing:
+        noise = torch.empty(len(racing), logits.shape[1], device=dev, dtype=torch.float32)
+        for k, i in enumerate(racing):
+            noise[k].exponential_(generator=generators[i])
+        race = (probs[torch.tensor([offsets[i] for i in racing], device=dev)] / noise).argmax(-1)
+        choice = choice.index_copy(0, torch.tensor([starts[i] for i in racing], device=dev), race)
+    chosen = logprobs.gather(1, choice[:, None])[:, 0]
+    ids, chosen = torch.stack([choice.double(), chosen.double()]).tolist()
+    ids = [int(t) for t in ids]
+    tokens = []
     for i, p in enumerate(params):
         first, last = starts[i], starts[i + 1]
         if p.greedy:
-            tokens.append(greedy_accept(drafts[i], argmax[first:last]))
-            continue
-        target = probs[offset : offset + last - first]
-        offset += last - first
-        if drafts[i]:
+            tokens.append(greedy_accept(drafts[i], ids[first:last]))
+        elif drafts[i]:
+            target = probs[offsets[i] : offsets[i] + last - first]
             tokens.append(rejection_sample(drafts[i], None, target, generators[i]))
         else:
-            noise = torch.empty_like(target[0]).exponential_(generator=generators[i])
-            tokens.append([int((target[0] / noise).argmax())])
-    # One gather for every emitted token: request i's j-th token sits on its row starts[i] + j.
-    dev = logits.device
+            tokens.append([ids[first]])
+    # Request i's j-th token sits on row starts[i] + j; it is that row's choice except after a
+    # rejection, whose log-probabilities take one more gather.
     at = [starts[i] + j for i, t in enumerate(tokens) for j in range(len(t))]
-    chosen = logprobs[torch.tensor(at, device=dev), torch.tensor([x for t in tokens for x in t], device=dev)]
+    emitted = [x for t in tokens for x in t]
+    if any(ids[r] != x for r, x in zip(at, emitted, strict=True)):
+        chosen = logprobs[torch.tensor(at, device=dev), torch.tensor(emitted, device=dev)].tolist()
+    else:
+        chosen = [chosen[r] for r in at]
     ends = list(accumulate(len(t) for t in tokens))
     per_request = [list(range(end - len(t), end)) for t, end in zip(tokens, ends, strict=True)]
     top = _top_logprobs(logprobs, at, [p.top_logprobs_num for p in params], per_request)
-    chosen = chosen.tolist()
     return Samples(tokens, [[chosen[k] for k in ks] for ks in per_request], top)
 
 
