@@ -10,6 +10,8 @@ idle group replays it with zero real rows. On the CPU the same padded batches ru
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from tqdm import tqdm
 
@@ -28,9 +30,12 @@ class CudaGraphRunner:
         req_to_token: torch.Tensor,
         layouts: list[StepLayout],
         kv_len: int,
+        forward_hidden: Callable[[ForwardBatch, KVPool], torch.Tensor] | None = None,
     ):
-        """Captures one graph per layout (largest first: the smaller graphs reuse its memory)."""
+        """Captures one graph per layout (largest first: the smaller graphs reuse its memory) of
+        `forward_hidden` (default: the model's; --enable-torch-compile: compiled, captured compiled)."""
         self.model, self.pool, self.req_to_token, self.kv_len = model, pool, req_to_token, kv_len
+        self.forward_hidden = forward_hidden or model.forward_hidden
         dev = req_to_token.device
         rows = layouts[0].local_rows
         self.input_ids = torch.zeros(rows, dtype=torch.long, device=dev)
@@ -57,11 +62,11 @@ class CudaGraphRunner:
             real = layout.real_rows(dev, self.own_rank)
             self.moe_rows[: real.shape[0]].copy_(real)
             for _ in range(2):  # eager warm-up: allocator, kernels and communicators in place
-                self.model.forward_hidden(batch, self.pool)
+                self.forward_hidden(batch, self.pool)
             torch.cuda.synchronize(dev)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=mempool):
-                out = self.model.forward_hidden(batch, self.pool)
+                out = self.forward_hidden(batch, self.pool)
             self.graphs[(layout.mode, layout.bucket)] = (graph, out)
         torch.cuda.synchronize(dev)
 
