@@ -179,6 +179,19 @@ class EngineConfig:
         None, "explicit decode buckets (overrides --cuda-graph-max-bs)", positive=True
     )
     disable_cuda_graph: bool = option(False, "decode eagerly and unpadded (no graphs, no buckets)")
+    enable_torch_compile: bool = option(
+        False,
+        "compile padded decode steps with torch.compile (inductor: C++ on the CPU, Triton on the GPU, "
+        "before CUDA-graph capture), one graph per bucket shared by every decoder layer; attention "
+        "over the KV pool runs eagerly between compiled regions, collectives are traced. Compiled at "
+        "start-up, cached in $TORCHINDUCTOR_CACHE_DIR (default ~/.cache/dpserve/inductor) between starts",
+    )
+    torch_compile_max_bs: int = option(
+        32,
+        "largest decode bucket compiled with --enable-torch-compile; larger buckets, prefill and "
+        "unpadded steps run eagerly",
+        positive=True,
+    )
     load_balance_method: str = option(
         "cache_aware",
         "how requests are spread over DP groups (or replicas): cache_aware sends a request to the group "
@@ -318,7 +331,12 @@ class EngineConfig:
             (SPEC_OPTIONS, self.speculative_algorithm is None, "without speculative_algorithm"),
             (("enable_dp_attention",), self.dp_size == 1, "with dp_size=1 (one attention group: plain TP)"),
             ((*routing, "max_tree_size"), self.dp_size == 1, "with dp_size=1 (one group: nothing to route)"),
-            (("cuda_graph_max_bs", "cuda_graph_bs"), self.disable_cuda_graph, "with disable_cuda_graph"),
+            (
+                ("cuda_graph_max_bs", "cuda_graph_bs", "enable_torch_compile", "torch_compile_max_bs"),
+                self.disable_cuda_graph,
+                "with disable_cuda_graph (no padded decode steps)",
+            ),
+            (("torch_compile_max_bs",), not self.enable_torch_compile, "without enable_torch_compile"),
         ]
         return [
             f"{name}={getattr(self, name)!r} does nothing {why}"

@@ -3,6 +3,8 @@ tables of the parts every model shares (norms, dense MLPs, MoE)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -119,12 +121,17 @@ class CausalLM(nn.Module):
         return self.compute_logits(self.forward_hidden(batch, pool), batch)
 
     @torch.no_grad()
-    def forward_hidden(self, batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
-        """Embedding and decoder layers: the fixed-shape part a CUDA graph captures."""
+    def forward_hidden(
+        self, batch: ForwardBatch, pool: KVPool, run_layer: Callable[..., torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """Embedding and decoder layers: the fixed-shape part a CUDA graph captures.
+        `run_layer(layer, hidden, batch, pool)` runs each layer (default: its forward; a compiled
+        DecoderLayer.forward under --enable-torch-compile)."""
         self.attn_backend.prepare(batch.attn)
         hidden = self.embed_tokens(batch.input_ids)
+        run = run_layer or DecoderLayer.__call__
         for layer in self.layers:
-            hidden = layer(hidden, batch, pool)
+            hidden = run(layer, hidden, batch, pool)
         return hidden
 
     @torch.no_grad()

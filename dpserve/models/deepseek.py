@@ -107,18 +107,25 @@ class MLAAttention(nn.Module):
         latent = self.kv_a_layernorm(latent)
         q_pe = self.rotary(q_pe, batch.positions)
         k_pe = self.rotary(k_pe.unsqueeze(1), batch.positions).squeeze(1)
-        pool.write(self.layer_id, batch.out_slots, torch.cat([latent, k_pe], dim=-1))
-        split = self._split(batch.attn, x.is_cuda)
-        if split is None:
-            out = self._absorbed(q_nope, q_pe, pool, batch.attn)
-        else:
-            out = q.new_empty((n, self.heads, self.v_dim))
-            (_, mha_tokens, keys_meta, key_slots), rest = split
-            q_mha = torch.cat([q_nope[mha_tokens], q_pe[mha_tokens]], dim=-1)
-            out[mha_tokens] = self._multi_head(q_mha, pool, keys_meta, key_slots)
-            if rest is not None:
-                out[rest[1]] = self._absorbed(q_nope[rest[1]], q_pe[rest[1]], pool, rest[0])
+        out = self.attend(q_nope, q_pe, torch.cat([latent, k_pe], dim=-1), batch, pool)
         return self.o_proj(out.reshape(n, -1))
+
+    @torch.compiler.disable  # between compiled regions (dpserve/worker/compile.py)
+    def attend(
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, batch: ForwardBatch, pool: KVPool
+    ) -> torch.Tensor:
+        """Writes the new latents `kv` to the pool and attends over it: [tokens, heads, v_dim]."""
+        pool.write(self.layer_id, batch.out_slots, kv)
+        split = self._split(batch.attn, kv.is_cuda)
+        if split is None:
+            return self._absorbed(q_nope, q_pe, pool, batch.attn)
+        out = q_nope.new_empty((kv.shape[0], self.heads, self.v_dim))
+        (_, mha_tokens, keys_meta, key_slots), rest = split
+        q_mha = torch.cat([q_nope[mha_tokens], q_pe[mha_tokens]], dim=-1)
+        out[mha_tokens] = self._multi_head(q_mha, pool, keys_meta, key_slots)
+        if rest is not None:
+            out[rest[1]] = self._absorbed(q_nope[rest[1]], q_pe[rest[1]], pool, rest[0])
+        return out
 
     def _absorbed(self, q_nope, q_pe, pool: KVPool, meta: AttentionMetadata) -> torch.Tensor:
         w_uk, w_uv = self.kv_b_proj.weight.view(self.heads, -1, self.rank).split([self.nope, self.v_dim], 1)

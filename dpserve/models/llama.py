@@ -58,10 +58,17 @@ class GQAAttention(nn.Module):
             .split([self.heads, self.kv_heads, self.kv_heads], dim=1)
         )
         q, k = self.rotary(q, batch.positions), self.rotary(k, batch.positions)
+        out = self.attend(q, k, v, batch, pool)
+        return self.o_proj(out.reshape(n, -1))
+
+    @torch.compiler.disable  # between compiled regions (dpserve/worker/compile.py)
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, pool: KVPool
+    ) -> torch.Tensor:
+        """Writes the new keys and values to the pool and attends over it."""
         pool.write(self.layer_id, batch.out_slots, k, v)
         k_cache, v_cache = pool.layers[self.layer_id]
-        out = self.backend.gqa(q, k_cache, v_cache, batch.attn, self.scale)
-        return self.o_proj(out.reshape(n, -1))
+        return self.backend.gqa(q, k_cache, v_cache, batch.attn, self.scale)
 
     def weights(self, prefix: str) -> list[Weight]:
         """q heads split over ATTN_TP; k/v heads too, or the one KV head this rank's queries use."""

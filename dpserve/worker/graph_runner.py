@@ -11,6 +11,8 @@ A replay counts the bytes its capture's collectives counted (their shapes are th
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from tqdm import tqdm
 
@@ -30,9 +32,12 @@ class CudaGraphRunner:
         req_to_token: torch.Tensor,
         layouts: list[StepLayout],
         kv_len: int,
+        forward_hidden: Callable[[ForwardBatch, KVPool], torch.Tensor] | None = None,
     ):
-        """Captures one graph per layout (largest first: the smaller graphs reuse its memory)."""
+        """Captures one graph per layout (largest first: the smaller graphs reuse its memory) of
+        `forward_hidden` (default: the model's; --enable-torch-compile: compiled, captured compiled)."""
         self.model, self.pool, self.req_to_token, self.kv_len = model, pool, req_to_token, kv_len
+        self.forward_hidden = forward_hidden or model.forward_hidden
         dev = req_to_token.device
         rows = layouts[0].local_rows
         self.input_ids = torch.zeros(rows, dtype=torch.long, device=dev)
@@ -60,12 +65,12 @@ class CudaGraphRunner:
             real = layout.real_rows(dev, self.own_rank)
             self.moe_rows[: real.shape[0]].copy_(real)
             for _ in range(2):  # eager warm-up: allocator, kernels and communicators in place
-                self.model.forward_hidden(batch, self.pool)
+                self.forward_hidden(batch, self.pool)
             torch.cuda.synchronize(dev)
             graph = torch.cuda.CUDAGraph()
             sent = SENT.total
             with torch.cuda.graph(graph, pool=mempool):
-                out = self.model.forward_hidden(batch, self.pool)
+                out = self.forward_hidden(batch, self.pool)
             self.graphs[(layout.mode, layout.bucket)] = (graph, out, SENT.total - sent)
         torch.cuda.synchronize(dev)
 

@@ -26,6 +26,7 @@ from dpserve.models.registry import build_model
 from dpserve.scheduler.scheduler import largest_step
 from dpserve.step.padding import PaddingPolicy
 from dpserve.step.records import BatchReq, GroupBatch, StepLayout
+from dpserve.worker.compile import CompiledDecode
 from dpserve.worker.graph_runner import CudaGraphRunner
 
 logger = logging.getLogger(__name__)
@@ -100,9 +101,19 @@ class ModelRunner:
             self.max_total_num_tokens * self.kv_bytes_per_token / 2**20,
         )
         self.graphs = None
+        self.forward_hidden = self.model.forward_hidden
+        if cfg.enable_torch_compile and cfg.graph_buckets:
+            compiled = CompiledDecode(self.model, self.policy.padded_layouts(), cfg.torch_compile_max_bs)
+            self.forward_hidden = compiled.forward_hidden
+            compiled.warm_up(self.idle_step)
         if cfg.device == "cuda" and cfg.graph_buckets:
             self.graphs = CudaGraphRunner(
-                self.model, self.pool, self.req_to_token, self.policy.padded_layouts(), max_kv_len
+                self.model,
+                self.pool,
+                self.req_to_token,
+                self.policy.padded_layouts(),
+                max_kv_len,
+                self.forward_hidden,
             )
 
     def _kv_capacity(self) -> int:
@@ -199,7 +210,7 @@ class ModelRunner:
     def _hidden(self, inputs: ForwardBatch) -> torch.Tensor:
         if self.graphs is not None and self.graphs.has(inputs.layout):
             return self.graphs.replay(inputs)
-        return self.model.forward_hidden(inputs, self.pool)
+        return self.forward_hidden(inputs, self.pool)
 
     def idle_step(self, layout: StepLayout) -> Callable[[], torch.Tensor]:
         """A padded step with no real rows, run as decode steps run (for the cost model)."""
