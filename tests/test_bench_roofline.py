@@ -1,17 +1,18 @@
-"""The measured floor (dpserve.bench.roofline): what a decode step must read and compute, and the
+"""The measured floor (dpserve.bench.floor, behind bench.roofline): what a decode step must read and compute, and the
 ratio bench.one_batch prints beside each measured step."""
 
 import json
 
 import torch
 
-from dpserve.bench import one_batch, roofline
+from dpserve.bench import floor as roofline_floor
+from dpserve.bench import one_batch
 from dpserve.layers.linear import Linear
 from dpserve.layers.mlp import MoE
 from dpserve.memory import kv_bytes_per_token
 
 
-class CountingMachine(roofline.Machine):
+class CountingMachine(roofline_floor.Machine):
     """Charges one second per linear call (and records its shape) instead of timing it, so the test
     checks which matmuls the floor counts; bandwidth and peak rate are fixed numbers."""
 
@@ -25,9 +26,9 @@ class CountingMachine(roofline.Machine):
 
 
 def test_dense_floor_reads_every_weight_but_the_embedding_and_every_request_kv(model_dirs):
-    model, model_cfg, cfg = roofline.engine_model(model_dirs["llama"], "float32", "cpu")
+    model, model_cfg, cfg = roofline_floor.engine_model(model_dirs["llama"], "float32", "cpu")
     machine = CountingMachine(cfg.torch_dtype)
-    floor = roofline.decode_floor(model, model_cfg, machine, batch=4, context=10)
+    floor = roofline_floor.decode_floor(model, model_cfg, machine, batch=4, context=10)
     weights = sum(p.numel() * 4 for p in model.parameters()) - model.embed_tokens.weight.numel() * 4
     kv = 4 * 10 * kv_bytes_per_token(model.kv_layers, model.kv_entry_shapes(), torch.float32)
     assert floor.bytes == weights + kv
@@ -39,16 +40,16 @@ def test_dense_floor_reads_every_weight_but_the_embedding_and_every_request_kv(m
 
 
 def test_moe_floor_counts_only_the_experts_a_batch_touches(model_dirs):
-    model, model_cfg, cfg = roofline.engine_model(model_dirs["deepseek_v2"], "float32", "cpu")
+    model, model_cfg, cfg = roofline_floor.engine_model(model_dirs["deepseek_v2"], "float32", "cpu")
     moe = [m for m in model.modules() if isinstance(m, MoE)]
     expert = (moe[0].w13[0].numel() + moe[0].w2[0].numel()) * 4
-    one = roofline.decode_floor(model, model_cfg, CountingMachine(torch.float32), batch=1, context=8)
-    many = roofline.decode_floor(model, model_cfg, CountingMachine(torch.float32), batch=64, context=8)
+    one = roofline_floor.decode_floor(model, model_cfg, CountingMachine(torch.float32), batch=1, context=8)
+    many = roofline_floor.decode_floor(model, model_cfg, CountingMachine(torch.float32), batch=64, context=8)
     kv_one = 8 * kv_bytes_per_token(model.kv_layers, model.kv_entry_shapes(), torch.float32)
     # One row reads top_k experts per MoE layer; 64 rows read nearly all of them.
     untouched_one = sum(m.num_experts - m.top_k for m in moe) * expert
     untouched_many = sum(
-        round(m.num_experts - roofline.touched_experts(m.num_experts, m.top_k, 64)) for m in moe
+        round(m.num_experts - roofline_floor.touched_experts(m.num_experts, m.top_k, 64)) for m in moe
     )
     assert many.bytes - 64 * kv_one > one.bytes - kv_one
     assert abs(

@@ -23,7 +23,7 @@ import numpy as np
 from tqdm import tqdm
 
 from dpserve import Engine
-from dpserve.bench.roofline import Machine, decode_floor, engine_model
+from dpserve.bench.floor import Machine, decode_floor, engine_model
 from dpserve.cli import HelpFormatter, add_engine_args, engine_kwargs, positive_int
 
 FIRST_PROMPT_ID = 3  # ids below are special tokens (bos, eos, pad) in dpserve's test checkpoints

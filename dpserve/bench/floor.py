@@ -1,0 +1,176 @@
+"""The floor of one decode step on this machine, measured (the library behind
+`python -m dpserve.bench.roofline` and bench.one_batch's floor column).
+
+The machine: memory bandwidth from large copies, and the time of every linear of the model at its
+own shape and the step's rows (so a small-row GEMM is charged what it really costs here, not a
+peak rate). The step's floor is the larger of two lower bounds:
+
+- compute: the model's linears at their measured times, plus the attention core's FLOPs at the
+  peak matmul rate (a large square GEMM);
+- memory: the bytes a decode step must read (every weight it uses: attention, dense MLP, the
+  routed experts the batch touches, E * (1 - (1 - k/E)^rows) of them, the LM head; and the KV
+  cache of every request) at the measured bandwidth.
+
+The floor is for the whole model on one device (the engine's tp=1 model). On a CPU every rank
+shares the same cores, so it bounds any layout; across N devices divide it by N.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from dpserve.config import EngineConfig
+from dpserve.layers.linear import Linear
+from dpserve.layers.mlp import MoE
+from dpserve.memory import kv_bytes_per_token
+from dpserve.models.config import ModelConfig
+
+MiB = 2**20
+
+
+def _best_seconds(fn, reps: int) -> float:
+    """The fastest of `reps` timed calls: a floor is what the machine can do, not its typical noise."""
+    fn()  # warm-up: first-call allocation and kernel selection are not part of the floor
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+class Machine:
+    """Bandwidth, peak matmul rate and the time of linears at given shapes, measured on `device`
+    with every thread torch has (the engine's one rank at tp=1 uses them all)."""
+
+    def __init__(self, dtype: torch.dtype, device: str = "cpu", reps: int = 7):
+        self.dtype, self.device, self.reps = dtype, device, reps
+        self._linear: dict[tuple[int, int, int, torch.dtype], float] = {}
+        big = torch.empty(256 * MiB, dtype=torch.uint8, device=device)
+        dst = torch.empty_like(big)
+        self.bandwidth = 2 * big.numel() / self._time(lambda: dst.copy_(big))  # read + write
+        n = 2048
+        a = torch.randn(n, n, dtype=dtype, device=device)
+        b = torch.randn(n, n, dtype=dtype, device=device)
+        self.peak_flops = 2 * n**3 / self._time(lambda: a @ b)
+
+    def _time(self, fn) -> float:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+
+            def synced():
+                fn()
+                torch.cuda.synchronize()
+
+            return _best_seconds(synced, self.reps)
+        return _best_seconds(fn, self.reps)
+
+    def linear_seconds(self, rows: int, in_features: int, out_features: int, dtype: torch.dtype) -> float:
+        key = (rows, in_features, out_features, dtype)
+        if key not in self._linear:
+            x = torch.randn(rows, in_features, dtype=dtype, device=self.device)
+            w = torch.randn(out_features, in_features, dtype=dtype, device=self.device)
+            self._linear[key] = self._time(lambda: F.linear(x, w))
+        return self._linear[key]
+
+
+@dataclass
+class Floor:
+    batch: int
+    context: float  # KV tokens per request
+    linear_s: float  # every linear at its own shape and rows, as timed on this machine
+    attention_core_s: float  # QK^T and PV at the peak matmul rate
+    bytes: int  # weights the step reads + the KV cache of every request
+    bandwidth: float
+    parts: dict[str, float]  # linear seconds by kind of weight
+
+    @property
+    def compute_s(self) -> float:
+        return self.linear_s + self.attention_core_s
+
+    @property
+    def memory_s(self) -> float:
+        return self.bytes / self.bandwidth
+
+    @property
+    def seconds(self) -> float:
+        return max(self.compute_s, self.memory_s)
+
+    @property
+    def bound(self) -> str:
+        return "compute" if self.compute_s >= self.memory_s else "memory"
+
+
+def touched_experts(num_experts: int, top_k: int, rows: int) -> float:
+    """Expected distinct experts `rows` rows route to when each picks top_k of num_experts uniformly."""
+    return num_experts * (1 - (1 - top_k / num_experts) ** rows)
+
+
+def _attention_core_flops(model_cfg: ModelConfig, context: float) -> float:
+    """FLOPs of QK^T and PV for one query row over `context` keys, all layers."""
+    hf, heads = model_cfg.hf, model_cfg.num_heads
+    if model_cfg.is_mla:  # absorbed decode: scores over the latent + rope part, output in the latent
+        per_head = 2 * context * (hf.kv_lora_rank + hf.qk_rope_head_dim) + 2 * context * hf.kv_lora_rank
+    else:
+        head_dim = getattr(hf, "head_dim", None) or model_cfg.hidden_size // heads
+        per_head = 4 * context * head_dim
+    return per_head * heads * model_cfg.num_layers
+
+
+def _kind(name: str) -> str:
+    for key in ("self_attn", "shared_experts", "mlp"):
+        if f".{key}." in f".{name}":
+            return {"self_attn": "attention", "shared_experts": "shared experts", "mlp": "dense MLP"}[key]
+    return "other"
+
+
+def decode_floor(
+    model: torch.nn.Module, model_cfg: ModelConfig, machine: Machine, batch: int, context: float
+) -> Floor:
+    """The floor of one decode step of `batch` requests, each attending over `context` KV tokens,
+    for the engine's model `model` (built on the meta device: only its shapes are read)."""
+    parts: Counter[str] = Counter()
+    # Every parameter is read once per step except the embedding table (one row per token) and the
+    # routed experts no row picks.
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    weight_bytes -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    for name, module in model.named_modules():
+        if isinstance(module, Linear):
+            out_f, in_f = module.weight.shape
+            parts[_kind(name)] += machine.linear_seconds(batch, in_f, out_f, module.weight.dtype)
+        elif isinstance(module, MoE):
+            e, hidden = module.gate.shape
+            parts["router"] += machine.linear_seconds(batch, hidden, e, module.gate.dtype)
+            touched = touched_experts(module.num_experts, module.top_k, batch)
+            rows = max(1, round(batch * module.top_k / touched))  # rows each touched expert runs
+            two_inter, inter = module.w13.shape[1], module.w2.shape[2]
+            per_expert = machine.linear_seconds(rows, hidden, two_inter, module.w13.dtype)
+            per_expert += machine.linear_seconds(rows, inter, hidden, module.w2.dtype)
+            parts["routed experts"] += touched * per_expert
+            expert_bytes = (module.w13[0].numel() + module.w2[0].numel()) * module.w13.element_size()
+            weight_bytes -= round((module.num_experts - touched) * expert_bytes)
+    head = model.lm_head
+    parts["lm head"] += machine.linear_seconds(batch, head.shape[1], head.shape[0], head.dtype)
+    kv = batch * context * kv_bytes_per_token(model.kv_layers, model.kv_entry_shapes(), machine.dtype)
+    core = batch * _attention_core_flops(model_cfg, context) / machine.peak_flops
+    return Floor(
+        batch, context, sum(parts.values()), core, int(weight_bytes + kv), machine.bandwidth, dict(parts)
+    )
+
+
+def engine_model(
+    model_path: str, dtype: str, device: str = "cpu"
+) -> tuple[torch.nn.Module, ModelConfig, torch.dtype]:
+    """The engine's model at tp=1 on the meta device (shapes only, no memory), its model config and
+    the engine config (dtype and device resolved)."""
+    from dpserve.plan.layouts import meta_model  # the planner's builder: the same model a started engine runs
+    from dpserve.plan.model import load
+
+    path, model_cfg = load(model_path)  # also resolves the embedded model and GGUF files
+    cfg = EngineConfig(model_path=path, dtype=dtype, device=device)
+    return meta_model(model_cfg, cfg), model_cfg, cfg
