@@ -39,7 +39,7 @@ FAILED_NODE_GRACE_S = 10.0  # a node whose rank failed: how long the others get 
 
 
 class WorkerFailure(RuntimeError):
-    """A rank died or raised; the workers are shut down."""
+    """A rank died, raised or hung (the watchdog); the workers are shut down."""
 
 
 def prepared(cfg: EngineConfig) -> EngineConfig:
