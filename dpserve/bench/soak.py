@@ -334,16 +334,20 @@ async def soak(args: argparse.Namespace) -> dict:
         elapsed = time.monotonic() - start
         # Aborts of disconnected clients reach the schedulers after the last answer: wait for KV.
         settle = time.monotonic() + SETTLE_S
-        while True:
-            m = await metrics(client, srv)
-            used = per_rank(m, "kv_used_tokens")
-            if not any(used.values()) or time.monotonic() > settle:
-                break
-            await asyncio.sleep(0.2)
+        try:
+            while True:
+                m = await metrics(client, srv)
+                used = per_rank(m, "kv_used_tokens")
+                if not any(used.values()) or time.monotonic() > settle:
+                    break
+                await asyncio.sleep(0.2)
+        except httpx.HTTPError as e:
+            tally.violate("end", f"the server stopped answering: {type(e).__name__}: {e}")
+            m, used = {}, {}
         rss_end = rss(srv.pids)
         cached, pool = per_rank(m, "kv_cached_tokens"), per_rank(m, "max_total_num_tokens")
         running, queued = per_rank(m, "num_running_reqs"), per_rank(m, "num_queue_reqs")
-        for r, v in used.items():
+        for r, v in used.items():  # nothing when the server is gone
             if v:
                 tally.violate(
                     "end", f"DP rank {r} still holds {v:.0f} KV tokens {SETTLE_S} s after the last request"

@@ -34,12 +34,12 @@ from dpserve.worker.loop import STACK_DUMP_SIGNAL, WorkerAddresses, heartbeat_in
 logger = logging.getLogger("dpserve")
 
 POLL_MS = 100
-STACK_DUMP_GRACE_S = 1.0
-FAILED_NODE_GRACE_S = 10.0  # a node whose rank failed: how long the others get to exit  # after the watchdog trips: time for the ranks to write their stacks
+STACK_DUMP_GRACE_S = 1.0  # after the watchdog trips: time for the live ranks to write their stacks
+FAILED_NODE_GRACE_S = 10.0  # a node whose rank failed: how long the others get to exit
 
 
 class WorkerFailure(RuntimeError):
-    """A rank died or raised; the workers are shut down."""
+    """A rank died, raised or hung (the watchdog); the workers are shut down."""
 
 
 def prepared(cfg: EngineConfig) -> EngineConfig:
@@ -206,7 +206,7 @@ class WorkerPool:
 
     def recv(self, timeout_ms: int | None = None) -> dict | None:
         """The next message from a worker, or None after `timeout_ms` (None: wait for one).
-        Raises WorkerFailure when a rank reported an error or a local rank died."""
+        Raises WorkerFailure when a rank reported an error, a local rank died or the watchdog tripped."""
         if self.closed:
             raise RuntimeError("the engine is shut down")
         self.watchdog.listen(time.monotonic())
