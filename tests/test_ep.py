@@ -2,7 +2,8 @@
 reaching them by the gathered path (`none`) or by all-to-all dispatch, in every layout and padding
 mode where the data flow differs, against transformers' greedy tokens; the DP LM head and
 replicated dense layers; the fixed-capacity dispatch under a routing that sends every row to one
-rank; start-up errors."""
+rank; start-up errors. In every layout the planner's memory figures and the bytes each rank sent in
+every step (counted by the engine's collectives) equal the planner's."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from dpserve import Engine
 from dpserve.engine.worker_pool import free_port
 from dpserve.layers.ep_dispatch import dispatch_combine
 from dpserve.plan.comm import ID_BYTES, forward_bytes, logged_layout
-from dpserve.plan.layouts import Layout, layout_memory, meta_model
+from dpserve.plan.layouts import Layout, layout_memory, meta_model, moe_placement
 from dpserve.testing.reference import hf_greedy_reference
 from dpserve.testing.trained_mtp import synthetic_sequences, trained_mtp_model
 
@@ -36,6 +37,7 @@ CASES = [
     ),
     ("deepseek_v2", 4, 4, dict(moe_a2a_backend="none", dp_padding_mode="max_len")),
     ("deepseek_v3", 2, 2, dict(moe_a2a_backend="none", dp_padding_mode="sum_len")),
+    ("deepseek_v2", 4, 2, dict(moe_a2a_backend="none", dp_padding_mode="sum_len")),
     # The DP LM head and replicated dense layers beside each dispatch path.
     (
         "deepseek_v2",
@@ -87,8 +89,9 @@ def assert_memory_planned(engine) -> None:
     """The planner's weights per rank, KV bytes per token and KV tokens per group of this EP layout
     equal the started engine's (as tests/test_plan.py checks for TP MoE)."""
     cfg = engine.cfg
-    moe = "ep-a2a" if cfg.moe_a2a_backend == "all_to_all" else "ep"
-    layout = Layout(cfg.tp_size, cfg.dp_size, cfg.enable_dp_attention, moe)
+    layout = Layout(
+        cfg.tp_size, cfg.dp_size, cfg.enable_dp_attention, moe_placement(cfg.ep_size, cfg.moe_a2a_backend)
+    )
     planned = (
         "model_path",
         "tp_size",

@@ -188,12 +188,12 @@ def run(args: argparse.Namespace, options: dict, model: str, layouts: list[Layou
 def dry_run(cfg: EngineConfig, device_profile: str | None) -> int:
     """launch_server --dry-run: the plan of that one layout, with its engine options; exit code 2 and
     the reason when that layout cannot run."""
-    from dpserve.plan.layouts import Layout
+    from dpserve.plan.layouts import Layout, moe_placement
     from dpserve.plan.report import reason, runs
 
     args = build_parser().parse_args(["--model-path", cfg.model_path, "--nnodes", str(cfg.nnodes)])
     args.device_profile = device_profile or ("cpu" if cfg.device == "cpu" else "h100")
-    moe = "tp" if cfg.ep_size == 1 else "ep-a2a" if cfg.moe_a2a_backend == "all_to_all" else "ep"
+    moe = moe_placement(cfg.ep_size, cfg.moe_a2a_backend)
     layout = Layout(cfg.tp_size, cfg.dp_size, cfg.enable_dp_attention, moe)
     planned = ("model_path", "tp_size", "dp_size", "enable_dp_attention", "ep_size", "moe_a2a_backend")
     options = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name not in planned}

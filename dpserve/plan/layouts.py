@@ -28,6 +28,13 @@ from dpserve.scheduler.scheduler import largest_step
 MOE_PLACEMENTS = ("tp", "ep", "ep-a2a")  # TP MoE; EP gathering rows (none); EP with all_to_all dispatch
 
 
+def moe_placement(ep_size: int, moe_a2a_backend: str) -> str:
+    """The MOE_PLACEMENTS entry of the engine options `ep_size` and `moe_a2a_backend`."""
+    if ep_size == 1:
+        return "tp"
+    return "ep-a2a" if moe_a2a_backend == "all_to_all" else "ep"
+
+
 @dataclass(frozen=True)
 class Layout:
     tp: int

@@ -12,7 +12,7 @@ import argparse
 import json
 import os
 
-from dpserve.plan.layouts import Layout
+from dpserve.plan.layouts import Layout, moe_placement
 from dpserve.plan.planner import Workload, make_plan
 from dpserve.plan.profiles import get_profile
 
@@ -28,7 +28,8 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for r in runs:
         a = r["args"]
-        layout = Layout(r["tp_size"], r["dp_size"], a["enable_dp_attention"])
+        moe = moe_placement(a.get("ep_size", 1), a.get("moe_a2a_backend", "none"))  # older files: TP MoE
+        layout = Layout(r["tp_size"], r["dp_size"], a["enable_dp_attention"], moe)
         wl = Workload(a["input_len"], a["output_len"], batch_sizes=[r["batch_size"]])
         kwargs = {k: a[k] for k in ("kv_cache_memory_gb", "max_total_tokens", "dp_padding_mode")}
         # The dtype the run used; older files lack it and ran float32 (what auto meant then).
