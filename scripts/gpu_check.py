@@ -13,6 +13,13 @@ suite covers the rest, including these kernels in Triton's interpreter. Prints o
    --ep-size 2 with --moe-a2a-backend none and all_to_all, decode graphs captured (all_to_all's
    fixed-capacity dispatch inside them), greedy outputs equal to TP MoE's (float32), and the bytes
    each rank counted per step (graph replays included) equal to the planner's.
+5. DeepSeek-V3's per-rank shapes: MLA attention with 128 heads (attention TP 1) at the launch
+   `launch_config` picks for this GPU, and the fused MoE (EP 16: 16 whole experts; TP 16: 256
+   experts of 128) against the torch paths; the MoE layer's peak memory on 32,768 gathered rows
+   (dp 16 x 2,048) against the rows x top_k x hidden buffer it no longer makes.
+6. The start-up activation peak each engine measures against the planner's estimate.
+7. tp=2 dp=2 with DP attention on two GPUs (NCCL; skipped, saying so, on one): CUDA graphs over NCCL
+   give the same greedy tokens as eager steps.
 
     bash scripts/gpu_check.sh
 """
@@ -105,6 +112,129 @@ def kernels() -> None:
     check("fused MoE bf16", err < 3e-2, f"relative error {err:.2e}")
 
 
+def v3_shapes() -> None:
+    """Kernels at DeepSeek-V3's per-rank shapes against the torch paths (bfloat16)."""
+    from types import SimpleNamespace
+
+    from dpserve.attention.triton_kernels import launch_config
+    from dpserve.layers.mlp import MoE, experts_loop
+
+    torch.manual_seed(0)
+    for name, seq_lens, q_lens in (
+        ("decode bs64", [4096] * 32 + [300] * 32, [1] * 64),
+        ("decode bs1", [16384], [1]),
+        ("extend", [2048, 600], [2048, 100]),
+    ):
+        meta, slots = attention_meta(seq_lens, q_lens)
+        cache = torch.randn(slots, 576, device=DEV, dtype=torch.bfloat16)
+        q = torch.randn(meta.num_tokens, 128, 576, device=DEV, dtype=torch.bfloat16)
+        outs = []
+        for backend in (SdpaBackend(), TritonBackend()):
+            m = AttentionMetadata(**{**meta.__dict__, "state": {}})
+            backend.prepare(m)
+            outs.append(backend.mla(q, cache, m, 576**-0.5, 512).float())
+        err = (outs[0] - outs[1]).abs().max().item()
+        kind = "decode" if max(q_lens) == 1 else "extend"
+        launch = launch_config(
+            kind,
+            batch=len(seq_lens),
+            heads=128,
+            kv_heads=1,
+            lk=576,
+            max_seq_len=max(seq_lens),
+            max_q_len=max(q_lens),
+        )
+        check(f"V3 MLA {name}", err < 3e-2, f"max error {err:.2e}, grid {launch.grid}")
+    hidden, top_k = 7168, 8
+    for label, experts, inter in (("EP16", 16, 2048), ("TP16", 256, 128)):
+        rows = 512
+        x = torch.randn(rows, hidden, device=DEV, dtype=torch.bfloat16)
+        w13 = torch.randn(experts, 2 * inter, hidden, device=DEV, dtype=torch.bfloat16) / hidden**0.5
+        w2 = torch.randn(experts, hidden, inter, device=DEV, dtype=torch.bfloat16) / inter**0.5
+        weights = torch.rand(rows, top_k, device=DEV)
+        # EP: of 256 experts, the ones on other ranks fall outside [0, 16) and are skipped.
+        ids = torch.stack([torch.randperm(256, device=DEV)[:top_k] for _ in range(rows)])
+        ids = torch.where(ids < experts, ids, -1)
+        ref = experts_loop(x.float(), w13.float(), w2.float(), weights, ids)
+        got = fused_experts(x, w13, w2, weights, ids).float()
+        err = ((got - ref).abs().max() / ref.abs().max()).item()
+        check(f"V3 fused MoE {label}", err < 3e-2, f"relative error {err:.2e}")
+    cfg = SimpleNamespace(
+        hidden_size=hidden,
+        n_routed_experts=256,
+        num_experts_per_tok=top_k,
+        topk_method="noaux_tc",
+        scoring_func="sigmoid",
+        n_group=8,
+        topk_group=4,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+    )
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(DEV):
+            moe = MoE(cfg, 128, 128)  # TP 16: every expert, 128 of its 2,048 intermediate rows
+    finally:
+        torch.set_default_dtype(previous)
+    for p in moe.parameters():
+        p.normal_(0, 0.02)
+    rows = 16 * 2048
+    x = torch.randn(rows, hidden, device=DEV, dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    moe(x)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    whole = rows * top_k * hidden * 2
+    check(
+        "V3 MoE layer peak (32,768 rows)",
+        peak < whole,
+        f"{peak / 2**30:.2f} GiB, vs {whole / 2**30:.2f} GiB for one rows x top_k x hidden buffer",
+    )
+
+
+def planner_vs_engine(name: str, path: str, info: dict, **kwargs) -> None:
+    """The activation peak an engine measured against the planner's estimate for its layout."""
+    from dpserve.plan.layouts import Layout, layout_memory
+    from dpserve.plan.model import load
+
+    try:
+        model_path, model_cfg = load(path)
+        tp, dp = kwargs.get("tp_size", 1), kwargs.get("dp_size", 1)
+        engine_kwargs = {
+            k: v for k, v in kwargs.items() if k not in ("tp_size", "dp_size", "enable_dp_attention")
+        }
+        total = torch.cuda.mem_get_info()[1]
+        plan = layout_memory(Layout(tp, dp, dp > 1), model_path, model_cfg, "cuda", total, engine_kwargs)
+    except Exception as e:  # report, and go on with the other checks
+        check(f"{name} activation peak vs planner", False, f"planner failed: {e!r}")
+        return
+    measured = max(r["activation_bytes"] for r in info["dp_ranks"])
+    check(
+        f"{name} activation peak vs planner",
+        0 < measured <= plan.activation_bytes,
+        f"measured {measured / 2**20:.1f} MiB, planner {plan.activation_bytes / 2**20:.1f} MiB",
+    )
+
+
+def two_gpus(path: str) -> None:
+    """tp=2 dp=2 with DP attention: decode graphs captured over NCCL against eager steps."""
+    if torch.cuda.device_count() < 2:
+        print(f"tp=2 dp=2 skipped: it needs 2 GPUs, this machine has {torch.cuda.device_count()}", flush=True)
+        results["tp2 dp2"] = "skipped (one GPU)"
+        return
+    layout = dict(tp_size=2, dp_size=2, enable_dp_attention=True, dtype="bfloat16")
+    outputs = {}
+    for label, kwargs in (("graphs", {}), ("eager", {"disable_cuda_graph": True})):
+        with Engine(model_path=path, **layout, **kwargs) as engine:
+            outputs[label], _ = decode_run(engine, 8)
+            if label == "graphs":
+                planner_vs_engine("tp2 dp2", path, engine.get_server_info(), **layout)
+    check("tp2 dp2 graphs over NCCL vs eager", outputs["graphs"] == outputs["eager"], "8 requests, greedy")
+
+
 def decode_run(engine: Engine, batch: int, input_len: int = 64, output_len: int = 32) -> tuple[list, float]:
     prompts = [[3 + (7 * b + i) % 200 for i in range(input_len)] for b in range(batch)]
     engine.get_step_log()
@@ -125,8 +255,10 @@ def engines(name: str, path: str) -> None:
     ):
         start = time.perf_counter()
         with Engine(model_path=path, tp_size=1, dtype="bfloat16", **kwargs) as engine:
-            r = engine.get_server_info()["dp_ranks"][0]
+            info = engine.get_server_info()
+            r = info["dp_ranks"][0]
             if label == "graphs":
+                planner_vs_engine(name, path, info, dtype="bfloat16")
                 print(f"{name} start-up {time.perf_counter() - start:.1f} s, memory: {r}", flush=True)
                 check(
                     f"{name} memory",
@@ -222,8 +354,11 @@ def main() -> None:
     assert torch.cuda.is_available(), "gpu_check needs a GPU"
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     kernels()
+    v3_shapes()
     with tempfile.TemporaryDirectory() as tmp:
-        engines("tiny DeepseekV2", str(write_tiny_model("deepseek_v2", f"{tmp}/v2")))
+        tiny = str(write_tiny_model("deepseek_v2", f"{tmp}/v2"))
+        engines("tiny DeepseekV2", tiny)
+        two_gpus(tiny)
     nextn()
     expert_parallel()
     try:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# What only a GPU can check (see scripts/gpu_check.py), under 10 minutes (the expert-parallel case
-# runs on two GPUs or more, skipped on one):
+# What only a GPU can check (see scripts/gpu_check.py), under 10 minutes (expert parallelism and
+# the tp=2 dp=2 check run on two GPUs or more, and are skipped, saying so, on one):
 #   bash scripts/gpu_check.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."

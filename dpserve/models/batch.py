@@ -58,7 +58,8 @@ class ForwardBatch:
         if table_writes is not None:
             lists.update(zip(("rows", "cols", "slots"), table_writes, strict=True))
         host = {k: v for k, v in lists.items() if not isinstance(v, torch.Tensor)}
-        t = {**lists, **dict(zip(host, stage(list(host.values()), dev), strict=True))}
+        t = {k: v.long() for k, v in lists.items() if isinstance(v, torch.Tensor)}
+        t.update(zip(host, stage(list(host.values()), dev), strict=True))
         if table_writes is not None and table_writes[0]:
             req_to_token[t["rows"], t["cols"]] = t["slots"].int()
         attn = AttentionMetadata(

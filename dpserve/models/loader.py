@@ -90,16 +90,58 @@ class CheckpointReader:
             self._handles[fname] = safe_open(self.dir / fname, "pt")
         return self._handles[fname].get_slice(name)
 
+    def offsets(self, fname: str) -> dict[str, int]:
+        """Where each tensor of file `fname` starts in it (from its header)."""
+        with open(self.dir / fname, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        return {k: v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"}
+
     def close(self) -> None:
         self._handles.clear()
 
 
+def read_order(weights: list[Weight], reader: CheckpointReader) -> list[list[Weight]]:
+    """The entries grouped by checkpoint file, each file's in the order of its tensors on disk:
+    one sequential pass over each file."""
+    by_file: dict[str, list[Weight]] = {}
+    for w in weights:
+        if w.name not in reader.file_of:
+            raise KeyError(f"tensor {w.name!r} not found in checkpoint {reader.dir}")
+        by_file.setdefault(reader.file_of[w.name], []).append(w)
+    out = []
+    for fname in sorted(by_file):
+        offsets = reader.offsets(fname)
+        out.append(sorted(by_file[fname], key=lambda w: offsets[w.name]))
+    return out
+
+
+def load_bytes(weights: list[Weight]) -> int:
+    """Bytes a rank's entries fill (what it reads, at its parameters' dtype): works on the meta device."""
+    return sum(w.dest.numel() * w.dest.element_size() for w in weights)
+
+
 @torch.no_grad()
 def load_weights(weights: list[Weight], model_dir: str | Path, show_progress: bool) -> None:
-    """Reads every entry's part of the checkpoint into its destination (cast to its dtype)."""
+    """Reads every entry's part of the checkpoint into its destination (cast to its dtype), file by
+    file in on-disk order. On a GPU each part is staged in pinned memory and copied without
+    blocking, the host reading the next part meanwhile; one synchronisation per file releases the
+    staging buffers."""
     reader = CheckpointReader(model_dir)
     try:
-        for w in tqdm(weights, desc="Loading weights", unit="tensor", disable=not show_progress):
-            w.dest.copy_(w.read(reader))
+        files = read_order(weights, reader)
+        with tqdm(
+            total=len(weights), desc="Loading weights", unit="tensor", disable=not show_progress
+        ) as bar:
+            for group in files:
+                staged = []
+                for w in group:
+                    part = w.read(reader)
+                    if w.dest.is_cuda:
+                        part = part.pin_memory()
+                        staged.append(part)  # alive until its copy has run
+                    w.dest.copy_(part, non_blocking=w.dest.is_cuda)
+                    bar.update()
+                if staged:
+                    torch.cuda.synchronize()
     finally:
         reader.close()
