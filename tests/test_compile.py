@@ -36,15 +36,27 @@ def test_compiled_steps_and_eager_above_max_bs(engine_cache, model_dirs, prompts
         assert decode and {s.padded for s in decode} == {True}
 
 
-# (4,4) on the smallest model (Llama: two layers, no MoE), the slowest layout to compile.
-@pytest.mark.parametrize("arch,tp,dp", [("deepseek_v2", 2, 2), ("llama", 4, 4)])
-def test_compiled_parity_dp_attention(engine_cache, model_dirs, prompts, references, arch, tp, dp):
+# One bucket each (the six prompts decode in it), one padding mode each: sum_len's all-reduces and
+# max_len's reduce-scatter + all-gather traced. (4,4) on the smallest model (Llama: two layers, no
+# MoE): four ranks compiling on two cores is the slowest start.
+@pytest.mark.parametrize("arch,tp,dp,mode", [("deepseek_v2", 2, 2, "sum_len"), ("llama", 4, 4, "max_len")])
+def test_compiled_parity_dp_attention(engine_cache, model_dirs, prompts, references, arch, tp, dp, mode):
     engine = engine_for(
-        engine_cache, model_dirs, arch, tp, dp, enable_torch_compile=True, cuda_graph_bs=(2, 4, 8)
+        engine_cache,
+        model_dirs,
+        arch,
+        tp,
+        dp,
+        enable_torch_compile=True,
+        cuda_graph_bs=(8,),
+        dp_padding_mode=mode,
     )
+    engine.get_step_log()
     outputs = engine.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True)
     assert_matches_reference(outputs, references[arch])
     assert sorted({o["meta_info"]["dp_rank"] for o in outputs}) == list(range(dp))
+    decode = [s for s in engine.get_step_log()[0] if s.kind == "decode"]
+    assert decode and {(s.padded, s.padding_mode) for s in decode} == {(True, mode)}
 
 
 def test_no_recompile_when_serving_and_eager_above_max_bs(model_dirs):

@@ -22,7 +22,7 @@ graphs (the capture's warm-up finds them compiled).
 Inductor's FX graph cache keeps the compiled kernels between starts, in `$TORCHINDUCTOR_CACHE_DIR`
 (default here: `$DPSERVE_CACHE/inductor`, i.e. `~/.cache/dpserve/inductor`, which survives
 reboots unlike inductor's own default under /tmp): a second start skips the C++/Triton builds
-(Dynamo still traces).
+(Dynamo still traces, and the ranks still load the kernels).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 from tqdm import tqdm
 
 from dpserve.kvcache.pool import KVPool
@@ -47,9 +48,13 @@ LAYER_KINDS = 2  # dense MLP and MoE layers trace differently: one graph each pe
 
 
 def inductor_cache_dir() -> str:
-    """Where inductor caches compiled graphs: `$TORCHINDUCTOR_CACHE_DIR`, set to dpserve's cache
-    when unset (every rank derives the same)."""
-    return os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
+    """Where inductor caches compiled graphs: `$TORCHINDUCTOR_CACHE_DIR` as the user set it, else
+    dpserve's cache (every rank derives the same)."""
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    # Inductor writes its default into the variable on first use (importing transformers does).
+    if current is None or current == os.path.abspath(default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = current = str(cache_root() / "inductor")
+    return current
 
 
 class CompiledDecode:
