@@ -95,9 +95,9 @@ class DPComm:
         if self.groups.world is None:
             return rows
         a, own = layout.attn_tp_size, self.groups.topo.attn_tp_rank
-        parts = [_part(n, a, j) for n in layout.logit_rows for j in range(a)]  # rows of each rank
+        parts = [near_equal_part(n, a, j) for n in layout.logit_rows for j in range(a)]  # rows of each rank
         mine = rows[sum(parts[layout.dp_rank * a : layout.dp_rank * a + own]) :][
-            : _part(rows.shape[0], a, own)
+            : near_equal_part(rows.shape[0], a, own)
         ]
         return all_to_all(mine.repeat(len(parts), 1), [mine.shape[0]] * len(parts), parts, self.groups.world)
 
@@ -115,7 +115,7 @@ class DPComm:
         return recv.view(world, n, shard.shape[1]).transpose(0, 1).reshape(n, world * shard.shape[1])
 
 
-def _part(n: int, parts: int, j: int) -> int:
+def near_equal_part(n: int, parts: int, j: int) -> int:
     """Rows of part j when n rows are cut into `parts` near-equal consecutive parts."""
     size = -(-n // parts)
     return max(0, min(size, n - j * size))

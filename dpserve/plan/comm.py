@@ -16,9 +16,10 @@ Per decoder layer, by where its MLP runs (T ranks over all, A per DP group, H hi
   pairs routed to other ranks, their ids, and the results of the pairs other ranks sent here. Those
   depend on the routing: the planner takes a uniform routing ((T - 1) / T of the pairs leave).
 
-LM head: vocabulary-parallel over WORLD, an all-reduce of every group's rows to sample and an
-all-to-all of the float32 logit shards back to their groups; with --enable-dp-lm-head an all-gather
-of the float32 shards inside ATTN_TP only.
+LM head: vocabulary-parallel over WORLD, an all-gather (uneven all-to-all: each rank sends its 1/A
+of its group's rows) of every group's rows to sample and an all-to-all of the logit shards back to
+their groups, in the model's dtype; with --enable-dp-lm-head an all-gather of the shards inside
+ATTN_TP only.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dpserve.distributed import ring_bytes
+from dpserve.layers.dp_comm import near_equal_part
 from dpserve.layers.mlp import MoE
 from dpserve.step.records import StepLayout, round_up
 
@@ -88,12 +90,14 @@ def forward_collectives(
             add("all_to_all", "world", out_pairs * ID_BYTES, "dispatch")
             add("all_to_all", "world", in_pairs * row, "dispatch")
         add("all_gather", "attn", group_rows * row)
-    shard = model.lm_head.shape[0] * 4  # float32 logits of one row's vocabulary shard
+    shard = model.lm_head.shape[0] * e  # logits of one row's vocabulary shard, in the model's dtype
     own = layout.logit_rows[layout.dp_rank]
     if model.dp_lm_head:
         add("all_gather", "attn", a * own * shard, "lm_head")
     else:
-        add("all_reduce", "world", sum(layout.logit_rows) * row, "lm_head")
+        # Each rank sends its 1/A of its group's rows to every other rank, then the logit shards back.
+        mine = near_equal_part(own, a, topo.attn_tp_rank)
+        add("all_to_all", "world", (t - 1) * mine * row, "lm_head")
         add("all_to_all", "world", (a * sum(layout.logit_rows) - own) * shard, "lm_head")
     return out
 
