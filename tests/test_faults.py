@@ -24,7 +24,7 @@ from dpserve.testing.server import ServerProcess
 KEY = "sk-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 BODY_LIMIT = 4096
-SLOW = 300  # tokens of a request that stays in flight for a while (hundreds of decode steps)
+SLOW = 200  # tokens of a request that stays in flight for a while (hundreds of decode steps)
 WATCHDOG_S = 5
 STACK_LINE = "(most recent call first)"  # faulthandler's header of each thread's stack
 
