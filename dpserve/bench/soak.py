@@ -236,7 +236,7 @@ async def _openai(client, url: str, body: dict, h: dict, kind: str, k: int, tall
             return _shed(r, kind, tally)
         out = r.json()
         finish = {c["index"]: c["finish_reason"] for c in out["choices"]}
-        texts = {c["index"]: c.get("text") or c["message"]["content"] for c in out["choices"]}
+        texts = {c["index"]: c["text"] if "text" in c else c["message"]["content"] for c in out["choices"]}
         tokens = out["usage"]["completion_tokens"]
     if sorted(finish) != list(range(n)):
         tally.violate(kind, f"finish reasons for choices {sorted(finish)}, expected {n}")
