@@ -24,7 +24,7 @@ from dpserve.testing.server import ServerProcess
 KEY = "sk-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 BODY_LIMIT = 4096
-SLOW = 300  # tokens of a request that stays in flight for a while (hundreds of decode steps)
+SLOW = 200  # tokens of a request that stays in flight for a while (hundreds of decode steps)
 WATCHDOG_S = 5
 STACK_LINE = "(most recent call first)"  # faulthandler's header of each thread's stack
 
@@ -119,14 +119,13 @@ def test_oversized_body_gets_413_unread(guarded, model):
     assert info["rejected_requests"]["too_large"] == 2
 
 
-def open_stream(url: str, body: dict):
-    """A streaming request whose first event has arrived (so it is running); the caller reads on."""
-    cm = httpx.stream("POST", url, json=body, headers=AUTH, timeout=300)
-    r = cm.__enter__()
+def open_stream(stack: contextlib.ExitStack, url: str, body: dict):
+    """A streaming request (closed with `stack`) whose first event has arrived, so it is running:
+    (that event, the rest of its lines)."""
+    r = stack.enter_context(httpx.stream("POST", url, json=body, headers=AUTH, timeout=300))
     assert r.status_code == 200, r.read()
     lines = r.iter_lines()
-    first = next(line for line in lines if line.startswith("data: "))
-    return cm, first, lines
+    return next(line for line in lines if line.startswith("data: ")), lines
 
 
 def test_queue_limit_sheds_the_third(guarded, model):
@@ -134,15 +133,14 @@ def test_queue_limit_sheds_the_third(guarded, model):
     slow |= {"stream_options": {"include_usage": True}}
     native = {"input_ids": [7, 8, 9, 10], "sampling_params": {"max_new_tokens": SLOW, "temperature": 0.0}}
     native["sampling_params"]["ignore_eos"] = True
-    first_cm, _, first_lines = open_stream(f"{guarded.url}/v1/completions", slow)
-    second_cm, second_first, second_lines = open_stream(f"{guarded.url}/generate", {**native, "stream": True})
-    shed = [httpx.post(f"{guarded.url}/v1/completions", json=slow, headers=AUTH) for _ in range(2)]
-    info = httpx.get(f"{guarded.url}/get_server_info", headers=AUTH).json()
-    metrics = httpx.get(f"{guarded.url}/metrics", headers=AUTH).text
-    first_events = [json.loads(x.removeprefix("data: ")) for x in first_lines if x.startswith("data: {")]
-    second_events = [second_first, *(x for x in second_lines if x.startswith("data: {"))]
-    first_cm.__exit__(None, None, None)
-    second_cm.__exit__(None, None, None)
+    with contextlib.ExitStack() as stack:
+        _, first_lines = open_stream(stack, f"{guarded.url}/v1/completions", slow)
+        second_first, second_lines = open_stream(stack, f"{guarded.url}/generate", {**native, "stream": True})
+        shed = [httpx.post(f"{guarded.url}/v1/completions", json=slow, headers=AUTH) for _ in range(2)]
+        info = httpx.get(f"{guarded.url}/get_server_info", headers=AUTH).json()
+        metrics = httpx.get(f"{guarded.url}/metrics", headers=AUTH).text
+        first_events = [json.loads(x.removeprefix("data: ")) for x in first_lines if x.startswith("data: {")]
+        second_events = [second_first, *(x for x in second_lines if x.startswith("data: {"))]
     for r in shed:
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
         assert r.json()["error"] == {
@@ -166,14 +164,14 @@ def test_queue_limit_sheds_the_third(guarded, model):
 def test_graceful_stop_finishes_the_request_in_flight(guarded, model):
     body = {"model": model, "prompt": "a story", "max_tokens": SLOW, "ignore_eos": True, "stream": True}
     body |= {"stream_options": {"include_usage": True}}
-    cm, _, lines = open_stream(f"{guarded.url}/v1/completions", body)
-    guarded.proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + 30
-    while httpx.get(f"{guarded.url}/health").status_code != 503:  # draining has begun
-        assert time.monotonic() < deadline
-    refused = httpx.post(f"{guarded.url}/v1/completions", json=body, headers=AUTH)
-    events = [json.loads(x.removeprefix("data: ")) for x in lines if x.startswith("data: {")]
-    cm.__exit__(None, None, None)
+    with contextlib.ExitStack() as stack:
+        _, lines = open_stream(stack, f"{guarded.url}/v1/completions", body)
+        guarded.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{guarded.url}/health").status_code != 503:  # draining has begun
+            assert time.monotonic() < deadline
+        refused = httpx.post(f"{guarded.url}/v1/completions", json=body, headers=AUTH)
+        events = [json.loads(x.removeprefix("data: ")) for x in lines if x.startswith("data: {")]
     assert refused.status_code == 503 and "admits no new requests" in refused.json()["error"]["message"]
     assert events[-1]["usage"]["completion_tokens"] == SLOW
     assert events[-2]["choices"][0]["finish_reason"] == "length"

@@ -6,11 +6,12 @@ checks that nothing was lost or leaked.
 Each of `--concurrency` clients sends one request after another until `--duration` seconds passed.
 The kinds: completions and chat, each streamed or not; n=2; stop strings; /generate pinned to a DP
 rank; prompts near the context limit; 10% clients that disconnect mid-stream; 10% malformed or
-over-limit requests (a body over --max-request-bytes when that is at most 1 MiB). Every well-formed request asks ignore_eos with max_tokens k, so it must
-finish with exactly k tokens per choice (a stop string: finish_reason stop with at most k, or length
-with k). At the end: every malformed request got its 4xx, no 5xx but shedding (503 with
-Retry-After), KV used back to 0 on every DP rank, the prefix cache within the pool, each process's
-RSS growth after warm-up. Exits 1 on any violation.
+over-limit requests (a body over --max-request-bytes when that is at most 1 MiB). Every well-formed
+request asks ignore_eos with max_tokens k, so it must finish with exactly k tokens per choice (a
+stop string: finish_reason stop with at most k, or length with k). At the end: every malformed
+request got its 4xx, no 5xx but shedding (503 with Retry-After, after which that client waits as
+told), KV used back to 0 on every DP rank, the prefix cache within the pool, each process's RSS
+growth after warm-up. Exits 1 on any violation.
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ class Tally:
     shed: Counter = field(default_factory=Counter)  # 503 + Retry-After
     latencies: list[float] = field(default_factory=list)
     violations: list[str] = field(default_factory=list)
+    retry_after: float = 0.0  # a shed request's Retry-After: its client waits that long
 
     def violate(self, kind: str, message: str) -> None:
         self.violations.append(f"{kind}: {message}")
@@ -138,11 +140,14 @@ async def one_request(client: httpx.AsyncClient, rng: random.Random, srv: Server
     tally.sent[kind] += 1
     k = rng.randint(1, MAX_NEW)
     start = time.monotonic()
+    tally.retry_after = 0.0
     try:
         ok = await _send(client, rng, srv, kind, k, tally)
     except httpx.HTTPError as e:
         tally.violate(kind, f"{type(e).__name__}: {e}")
         return
+    if tally.retry_after:  # shed: back off as told
+        await asyncio.sleep(tally.retry_after)
     if ok:
         tally.completed[kind] += 1
         if kind != "disconnect":
@@ -163,6 +168,7 @@ async def _send(client, rng, srv: Server, kind: str, k: int, tally: Tally) -> bo
             tally.violate(kind, f"{path} got {r.status_code}, expected {status}: {r.text[:200]}")
         else:
             tally.shed[kind] += 1
+            tally.retry_after = float(r.headers["retry-after"])
         return False
     if kind == "disconnect":
         body = {**common, "prompt": text(rng, 8), "max_tokens": DISCONNECT_TOKENS, "stream": True}
@@ -236,7 +242,7 @@ async def _openai(client, url: str, body: dict, h: dict, kind: str, k: int, tall
             return _shed(r, kind, tally)
         out = r.json()
         finish = {c["index"]: c["finish_reason"] for c in out["choices"]}
-        texts = {c["index"]: c.get("text") or c["message"]["content"] for c in out["choices"]}
+        texts = {c["index"]: c["text"] if "text" in c else c["message"]["content"] for c in out["choices"]}
         tokens = out["usage"]["completion_tokens"]
     if sorted(finish) != list(range(n)):
         tally.violate(kind, f"finish reasons for choices {sorted(finish)}, expected {n}")
@@ -269,6 +275,7 @@ def _shed(r: httpx.Response, kind: str, tally: Tally) -> bool:
     else a violation. False: the request did not complete."""
     if r.status_code == 503 and "retry-after" in r.headers:
         tally.shed[kind] += 1
+        tally.retry_after = float(r.headers["retry-after"])
     else:
         tally.violate(kind, f"status {r.status_code}: {r.text[:200]}")
     return False

@@ -33,7 +33,7 @@ class Admission:
     rejected: dict[str, int] = field(
         default_factory=lambda: {"overloaded": 0, "draining": 0, "unauthorized": 0, "too_large": 0}
     )
-    _idle: asyncio.Event = field(default_factory=asyncio.Event)
+    _idle: asyncio.Event = field(default_factory=asyncio.Event, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._idle.set()

@@ -138,7 +138,8 @@ class Heartbeat:
     the rank is alive and how long its current step-loop iteration has run (the watchdog's two
     signals). Torch ops and collectives release the GIL, so a rank busy computing keeps beating; a
     stopped or frozen process falls silent. An iteration past the timeout writes this rank's stacks
-    to the log once (a rank on another node than the front end can only do it itself)."""
+    to the log once (a rank on another node than the front end can only do it itself); past twice
+    the timeout the rank exits."""
 
     def __init__(self, rank: int, timeout: float, ctx: zmq.Context, address: str):
         self.rank, self.timeout, self.interval = rank, timeout, heartbeat_interval(timeout)
@@ -164,6 +165,11 @@ class Heartbeat:
                 dumped_for = start
                 logger.error("a step has run for %.1f s (watchdog timeout %g s); stacks:", age, self.timeout)
                 faulthandler.dump_traceback(all_threads=True)
+            if age >= 2 * self.timeout:
+                # The front end gave the instance up a timeout ago; on another node nobody else would
+                # stop this rank (its peers may be stopped, not dead, so its collective never fails).
+                logger.error("a step has run for %.1f s, twice the watchdog timeout: exiting", age)
+                os._exit(1)
             # Never block: a front end that is not reading (an idle Engine) lets the queue fill.
             with contextlib.suppress(zmq.Again):
                 sock.send_pyobj({"type": "heartbeat", "rank": self.rank, "step_age": age}, flags=zmq.NOBLOCK)
