@@ -218,6 +218,16 @@ class StepModel:
             options.append(StepTime(batch, sum(parts.values()), mode, layout.mlp_rows, parts, sent))
         return min(options, key=lambda s: s.seconds)
 
+    def padding_edges(self, max_batch: int) -> list[int]:
+        """The largest batches whose decode steps still fit a bucket under sum_len and under max_len,
+        then `max_batch`: the ranges `largest_within` bisects."""
+        edges = {max_batch}
+        if self.graphs:
+            instances = self.mem.groups // self.G
+            edges.add(max(self.buckets) * instances)
+            edges.add(max(round_up(x, self.A) for x in self.buckets) * self.mem.groups)
+        return sorted(e for e in edges if e <= max_batch)
+
     def prefill_chunk(self, tokens: int) -> tuple[float, int]:
         """(Seconds, bytes one rank sends) of one prefill step of `tokens` new tokens in every group
         (eager, sum_len)."""
@@ -269,15 +279,20 @@ def plan_layout(
 
 def largest_within(sm: StepModel, ctx: float, limit_s: float, max_batch: int) -> StepTime | None:
     """The step of the largest batch up to `max_batch` whose decode step takes at most `limit_s`
-    (None when batch 1 already takes longer), by bisection: the step time grows with the batch."""
-    lo, hi, best = 1, max_batch, None
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        step = sm.decode(mid, ctx)
-        if step.seconds <= limit_s:
-            best, lo = step, mid + 1
-        else:
-            hi = mid - 1
+    (None when batch 1 already takes longer), by bisection inside each range of batches whose steps
+    a padding mode runs all padded or all unpadded: the step time grows with the batch inside one,
+    but an unpadded step can be cheaper than the largest padded one (all_to_all's fixed capacity)."""
+    best, lo = None, 1
+    for edge in sm.padding_edges(max_batch):
+        hi = edge
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            step = sm.decode(mid, ctx)
+            if step.seconds <= limit_s:
+                best, lo = step, mid + 1
+            else:
+                hi = mid - 1
+        lo = edge + 1
     return best
 
 
