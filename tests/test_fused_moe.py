@@ -138,9 +138,9 @@ def test_moe_and_norm_take_rows_in_bounded_chunks(monkeypatch):
     whole_moe, whole_norm = moe(x, None, real), norm(x)
     whole_load = moe.load.clone()
     moe.load.zero_()
-    budget = 4096  # a few dozen rows per chunk
+    budget = 16384  # 42 rows per chunk: 8 chunks
     monkeypatch.setattr(memory, "ACTIVATION_CHUNK_BYTES", budget)
-    assert 1 < memory.moe_chunk_rows(32, 16, 2, 8, 2) < 100
+    assert memory.moe_chunk_rows(32, 16, 2, 8, 2) == 42
     with LargestAllocations() as seen:
         chunked_moe, chunked_norm = moe(x, None, real), norm(x)
     big = [(shape, dtype) for shape, dtype in seen.made if shape and shape[0] == rows]
