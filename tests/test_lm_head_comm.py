@@ -30,7 +30,7 @@ def _group_rows(g: int, n: int) -> torch.Tensor:
 def _rank(rank: int, port: int, results) -> None:
     torch.set_num_threads(1)
     topo = Topology(WORLD, DP, rank)
-    groups = init_groups(topo, "cpu", f"127.0.0.1:{port}")
+    groups = init_groups(topo, "cpu", f"127.0.0.1:{port}", timeout_s=120)
     sent: list[tuple[str, torch.dtype, int]] = []
 
     def spy(name, original, sent_arg):
