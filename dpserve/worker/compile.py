@@ -7,7 +7,7 @@ share one graph per padded layout, and weights and the KV pool are read in place
 compile per (mode, bucket) and layer kind, none at serving time.
 
 Where the graphs break: each attention module's `attend` (the KV write and attention over the
-pool) runs eagerly between two compiled regions: the pool is indexed by the layer, which would
+pool) runs eagerly between two compiled regions of the layer's frame (Dynamo's nested graph breaks): the pool is indexed by the layer, which would
 specialize every layer's graph, and the KV length changes every step. The collectives of
 dp_comm.py and ep_dispatch.py (fixed-capacity all_to_all in padded steps) are traced as functional
 collectives (gloo on the CPU, NCCL on the GPU), in program order; where a graph breaks (the CPU
@@ -68,6 +68,9 @@ class CompiledDecode:
         # eagerly. The frames split off at graph breaks count alike.
         limit = LAYER_KINDS * len(self.layouts) + 8
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
+        # A break inside the attention module (its `attend`) resumes in the layer's own graph: two
+        # graphs per layer kind and layout, not four (measured: half the compile time on the CPU).
+        torch._dynamo.config.nested_graph_breaks = True
         self.run_layer = torch.compile(DecoderLayer.forward, dynamic=False)
 
     def covers(self, layout: StepLayout) -> bool:
