@@ -252,11 +252,14 @@ def engines(name: str, path: str) -> None:
         ("graphs", {}),
         ("eager", {"disable_cuda_graph": True}),
         ("sdpa", {"attention_backend": "sdpa"}),
+        ("compiled", {"enable_torch_compile": True, "torch_compile_max_bs": 8}),
     ):
         start = time.perf_counter()
         with Engine(model_path=path, tp_size=1, dtype="bfloat16", **kwargs) as engine:
             info = engine.get_server_info()
             r = info["dp_ranks"][0]
+            if label == "compiled":
+                print(f"{name} start-up with torch.compile {time.perf_counter() - start:.1f} s", flush=True)
             if label == "graphs":
                 planner_vs_engine(name, path, info, dtype="bfloat16")
                 print(f"{name} start-up {time.perf_counter() - start:.1f} s, memory: {r}", flush=True)
@@ -280,6 +283,14 @@ def engines(name: str, path: str) -> None:
     )
     agree = sum(a == b for a, b in zip(outputs["graphs"], outputs["sdpa"], strict=True)) / 8
     check(f"{name} triton vs sdpa", agree >= 0.75, f"{agree:.0%} of greedy outputs equal (bf16)")
+    # Compiled decode steps (fused by inductor, then captured) against the captured eager ones.
+    agree = sum(a == b for a, b in zip(outputs["graphs"], outputs["compiled"], strict=True)) / 8
+    check(
+        f"{name} torch.compile vs graphs",
+        agree >= 0.75,
+        f"{agree:.0%} of greedy outputs equal (bf16), {step_ms['compiled'] * 1e3:.2f} vs "
+        f"{step_ms['graphs'] * 1e3:.2f} ms/step",
+    )
 
 
 def nextn() -> None:

@@ -16,18 +16,19 @@ from dpserve.worker.model_runner import ModelRunner
 
 
 def test_compiled_steps_and_eager_above_max_bs(engine_cache, model_dirs, prompts, references):
-    """(1,1): two requests decode in bucket 2 (compiled), four in bucket 8 (above the max: eager)."""
+    """(1,1), DeepseekV3 (MLA with q_lora, grouped top-k MoE): two requests decode in bucket 2
+    (compiled), four in bucket 8 (above the max: eager)."""
     engine = engine_for(
         engine_cache,
         model_dirs,
-        "llama",
+        "deepseek_v3",
         1,
         1,
         enable_torch_compile=True,
         torch_compile_max_bs=2,
         cuda_graph_bs=(2, 8),
     )
-    ref = references["llama"]
+    ref = references["deepseek_v3"]
     for part in (slice(0, 2), slice(2, None)):
         engine.get_step_log()
         outputs = engine.generate(input_ids=prompts[part], sampling_params=GREEDY, return_logprob=True)
