@@ -7,7 +7,10 @@ that share an engine sit next to each other.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from dpserve import Engine
 from dpserve.testing.reference import hf_greedy_reference, random_prompts
@@ -113,3 +116,15 @@ def assert_expert_load(engine, steps) -> None:
     real = sum(s.real_rows for s in steps)
     assert load and all(sum(layer) == top_k * real for layer in load), (real, [sum(x) for x in load])
     assert all(s.expert_imbalance >= 1.0 for s in steps)
+
+
+class CountOps(TorchDispatchMode):
+    """Counts the aten ops run inside it, by name (what a step costs in ops, or which ops it avoids)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-from collections import Counter
-
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from conftest import CountOps
 
 from dpserve.sampling_params import SamplingParams
 from dpserve.worker.sampler import sample
@@ -60,16 +58,6 @@ def test_seeded_rows_do_not_depend_on_their_batch():
     ]
     batch = sample(logits, [other, seeded, SamplingParams(temperature=0.0)], gens).tokens
     assert batch[1] == alone[0]
-
-
-class CountOps(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.calls: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.calls[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def test_every_row_chosen_at_once():

@@ -3,23 +3,11 @@ request-to-slot table writes included."""
 
 from __future__ import annotations
 
-from collections import Counter
-
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from conftest import CountOps
 
 from dpserve.models.batch import ForwardBatch
 from dpserve.step.records import StepLayout
-
-
-class CountOps(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.calls: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.calls[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def test_one_host_buffer_per_step():
