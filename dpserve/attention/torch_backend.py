@@ -37,27 +37,37 @@ class TorchBackend(SdpaBackend):
             s["one"] = (tokens_one, *_keys(sub_one))
 
     def mla(self, q, cache, meta, scale, v_dim):
-        one, many = meta.state["one"], meta.state["many"]
         kv = cache.unsqueeze(1)  # the latent: one KV head, values its first v_dim columns
-        if many is None:
-            return _one_query(q, kv, None, v_dim, one[1], one[2], scale)
-        out = q.new_empty((*q.shape[:2], v_dim))
-        sub, tokens = many
-        out[tokens] = super().mla(q[tokens], cache, sub, scale, v_dim)
-        if one is not None:
-            out[one[0]] = _one_query(q[one[0]], kv, None, v_dim, one[1], one[2], scale)
-        return out
+        return self._split(
+            q,
+            meta,
+            v_dim,
+            lambda q_one, one: _one_query(q_one, kv, None, v_dim, one[1], one[2], scale),
+            lambda q_many, sub: super(TorchBackend, self).mla(q_many, cache, sub, scale, v_dim),
+        )
 
     def gqa(self, q, k_cache, v_cache, meta, scale):
-        one, many = meta.state["one"], meta.state["many"]
         v_dim = v_cache.shape[-1]
+        return self._split(
+            q,
+            meta,
+            v_dim,
+            lambda q_one, one: _one_query(q_one, k_cache, v_cache, v_dim, one[1], one[2], scale),
+            lambda q_many, sub: super(TorchBackend, self).gqa(q_many, k_cache, v_cache, sub, scale),
+        )
+
+    @staticmethod
+    def _split(q, meta, v_dim, one_query, many_queries) -> torch.Tensor:
+        """One-query rows by `one_query`, the rest by `many_queries` (the reference backend on just
+        those requests), written back in the batch's row order."""
+        one, many = meta.state["one"], meta.state["many"]
         if many is None:
-            return _one_query(q, k_cache, v_cache, v_dim, one[1], one[2], scale)
+            return one_query(q, one)
         out = q.new_empty((*q.shape[:2], v_dim))
         sub, tokens = many
-        out[tokens] = super().gqa(q[tokens], k_cache, v_cache, sub, scale)
+        out[tokens] = many_queries(q[tokens], sub)
         if one is not None:
-            out[one[0]] = _one_query(q[one[0]], k_cache, v_cache, v_dim, one[1], one[2], scale)
+            out[one[0]] = one_query(q[one[0]], one)
         return out
 
 
