@@ -48,7 +48,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="timed repetitions per measured shape (the fastest counts)",
     )
     p.add_argument("--floor-only", action="store_true", help="print the floor without starting the engine")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.output_len < 2:
+        p.error("--output-len must be >= 2 so that there is at least one decode step")
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:
