@@ -136,7 +136,9 @@ def test_killed_worker_raises(engine_cache, model_dirs):
     engine = Engine(
         model_path=model_dirs["llama"], tp_size=2, dp_size=2, enable_dp_attention=True, device="cpu"
     )
-    engine.front.workers.procs[1].kill()
+    killed = engine.front.workers.procs[1]
+    killed.kill()
+    killed.join()  # the leader's socket is gone before the request is sent (that send once hung)
     start = time.monotonic()
     with pytest.raises(WorkerFailure, match="worker rank 1 exited with code -9"):
         engine.generate(input_ids=[5, 6, 7], sampling_params=GREEDY)

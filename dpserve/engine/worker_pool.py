@@ -198,11 +198,23 @@ class WorkerPool:
         attention), idle, must step with it."""
         if self.closed:
             raise RuntimeError("the engine is shut down")
-        self._requests[dp_rank].send_pyobj(msg)
+        self._push(self._requests[dp_rank], msg)
         if wake_all and self.cfg.enable_dp_attention:
             for g, sock in enumerate(self._requests):
                 if g != dp_rank:
-                    sock.send_pyobj({"type": "wake"})
+                    self._push(sock, {"type": "wake"})
+
+    def _push(self, sock: zmq.Socket, msg: object) -> None:
+        # A PUSH whose leader is gone blocks forever: once a rank died the message is dropped
+        # instead, and the next `recv` raises WorkerFailure naming it.
+        while True:
+            try:
+                sock.send_pyobj(msg, flags=zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                if self.dead_ranks():
+                    return
+                sock.poll(POLL_MS, zmq.POLLOUT)
 
     def recv(self, timeout_ms: int | None = None) -> dict | None:
         """The next message from a worker, or None after `timeout_ms` (None: wait for one).
