@@ -47,13 +47,24 @@ class EngineCache:
         self.server_info: dict = {}  # key -> get_server_info() of every engine built
 
     def get(self, model_path: str, **kwargs) -> Engine:
-        key = (model_path, tuple(sorted(kwargs.items())))
+        key = self._key(model_path, kwargs)
         if key != self.key:
             self.close()
             self.engine = Engine(model_path=model_path, device="cpu", dtype="float32", **kwargs)
             self.key = key
             self.server_info[key] = self.engine.get_server_info()
         return self.engine
+
+    def info(self, model_path: str, **kwargs) -> dict:
+        """get_server_info() of the engine with these arguments; built only if no test built it yet."""
+        key = self._key(model_path, kwargs)
+        if key not in self.server_info:
+            self.get(model_path, **kwargs)
+        return self.server_info[key]
+
+    @staticmethod
+    def _key(model_path: str, kwargs: dict) -> tuple:
+        return model_path, tuple(sorted(kwargs.items()))
 
     def close(self) -> None:
         if self.engine is not None:
@@ -74,9 +85,18 @@ SMALL_POOL = 96  # KV tokens per DP group of the engines that exercise memory pr
 def engine_for(engine_cache, model_dirs, arch: str, tp: int, dp: int, **kwargs) -> Engine:
     """The tiny `arch` model at (tp, dp), with DP attention when dp > 1 and the parity KV budget
     (unless `max_total_tokens` sets the pool)."""
+    return engine_cache.get(model_dirs[arch], **_layout_kwargs(tp, dp, kwargs))
+
+
+def engine_info_for(engine_cache, model_dirs, arch: str, tp: int, dp: int, **kwargs) -> dict:
+    """`engine_for(...).get_server_info()`, without a start when an earlier test built that engine."""
+    return engine_cache.info(model_dirs[arch], **_layout_kwargs(tp, dp, kwargs))
+
+
+def _layout_kwargs(tp: int, dp: int, kwargs: dict) -> dict:
     if "max_total_tokens" not in kwargs:
         kwargs.setdefault("kv_cache_memory_gb", KV_BUDGET_GB)
-    return engine_cache.get(model_dirs[arch], tp_size=tp, dp_size=dp, enable_dp_attention=dp > 1, **kwargs)
+    return dict(tp_size=tp, dp_size=dp, enable_dp_attention=dp > 1, **kwargs)
 
 
 def small_pool_engine(engine_cache, model_dirs, tp: int = 2, dp: int = 2, **kwargs) -> Engine:

@@ -179,7 +179,7 @@ def test_graceful_stop_finishes_the_request_in_flight(guarded, model):
     assert "shut down cleanly" in guarded.output
 
 
-# --- a server with a 5-second watchdog: 30 s of soak, then a rank stopped -----------------------
+# --- a server with a 5-second watchdog: 12 s of soak, then a rank stopped -----------------------
 
 
 @pytest.fixture(scope="module")
@@ -190,13 +190,14 @@ def watched(model, engine_cache):
         yield srv
 
 
-def test_soak_30s_loses_and_leaks_nothing(watched):
-    cmd = [sys.executable, "-m", "dpserve.bench.soak", "--base-url", watched.url, "--duration", "30"]
+def test_soak_loses_and_leaks_nothing(watched):
+    # 12 s in the suite; docs/benchmarks.md records the long soak.
+    cmd = [sys.executable, "-m", "dpserve.bench.soak", "--base-url", watched.url, "--duration", "12"]
     cmd += ["--concurrency", "4", "--warmup", "10", "--seed", "1"]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "violations: 0" in run.stdout
-    assert "watchdog" not in watched.output  # 30 s of steps under a 5 s watchdog: never tripped
+    assert "watchdog" not in watched.output  # 12 s of steps under a 5 s watchdog: never tripped
 
 
 def test_stopped_rank_gets_503_stacks_and_exit_1(watched):

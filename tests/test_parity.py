@@ -11,8 +11,10 @@ from conftest import (
     assert_expert_load,
     assert_matches_reference,
     engine_for,
+    engine_info_for,
 )
 
+from dpserve.models.config import ModelConfig
 from dpserve.models.deepseek import mha_is_cheaper
 from dpserve.testing.reference import hf_greedy_reference
 
@@ -58,31 +60,28 @@ def test_max_len_gather_matches(engine_cache, model_dirs, prompts, references, t
 
 
 def test_kv_capacity_scales_with_dp(engine_cache, model_dirs):
-    """Same per-rank budget: MLA at dp=4 holds 4x the distinct tokens of dp=1."""
-    info = {}
-    for dp in (1, 4):
-        engine = engine_for(engine_cache, model_dirs, "deepseek_v2", 4, dp)
-        info[dp] = engine.get_server_info()
-    hf = engine.model_cfg.hf
+    """Same per-rank budget at tp=4: MLA at dp=4 holds 2x the distinct tokens of dp=2 (the latent is
+    replicated over a group's attention-TP ranks). The engines of test_greedy_parity, when it ran."""
+    info = {dp: engine_info_for(engine_cache, model_dirs, "deepseek_v2", 4, dp) for dp in (2, 4)}
+    hf = ModelConfig.load(model_dirs["deepseek_v2"]).hf
     mla_bytes = hf.num_hidden_layers * (hf.kv_lora_rank + hf.qk_rope_head_dim) * 4
-    for dp in (1, 4):
+    for dp in (2, 4):
         assert info[dp]["attn_tp_size"] == 4 // dp
         assert [r["dp_rank"] for r in info[dp]["dp_ranks"]] == list(range(dp))
         assert all(r["kv_bytes_per_token"] == mla_bytes for r in info[dp]["dp_ranks"])
     per_rank = int(KV_BUDGET_GB * 2**30 // mla_bytes)
-    total = {dp: sum(r["max_total_num_tokens"] for r in info[dp]["dp_ranks"]) for dp in (1, 4)}
-    assert total == {1: per_rank, 4: 4 * per_rank}
+    total = {dp: sum(r["max_total_num_tokens"] for r in info[dp]["dp_ranks"]) for dp in (2, 4)}
+    assert total == {2: 2 * per_rank, 4: 4 * per_rank}
 
 
-def test_gqa_kv_bytes_follow_attention_tp(engine_cache, model_dirs):
+def test_gqa_kv_bytes_follow_attention_tp(model_dirs, engine_cache):
     """GQA stores 2 * ceil(kv_heads / A) * head_dim values per token per layer."""
-    for tp, dp in [(4, 1), (4, 4)]:
-        engine = engine_for(engine_cache, model_dirs, "llama", tp, dp)
-        hf = engine.model_cfg.hf
-        a = tp // dp
-        head_dim = hf.hidden_size // hf.num_attention_heads
-        expected = hf.num_hidden_layers * 2 * -(-hf.num_key_value_heads // a) * head_dim * 4
-        assert {r["kv_bytes_per_token"] for r in engine.get_server_info()["dp_ranks"]} == {expected}
+    hf = ModelConfig.load(model_dirs["llama"]).hf
+    head_dim = hf.hidden_size // hf.num_attention_heads
+    for tp, dp in [(4, 2), (4, 4)]:
+        info = engine_info_for(engine_cache, model_dirs, "llama", tp, dp)
+        expected = hf.num_hidden_layers * 2 * -(-hf.num_key_value_heads // (tp // dp)) * head_dim * 4
+        assert {r["kv_bytes_per_token"] for r in info["dp_ranks"]} == {expected}
 
 
 @pytest.mark.parametrize("arch,tp,dp", [("deepseek_v2", 1, 1), ("deepseek_v2", 2, 2), ("llama", 1, 1)])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 
 import httpx
 import pytest
@@ -82,7 +83,11 @@ def test_two_nodes_on_loopback_form_one_instance(model_dirs, prompts, references
             assert sorted({o["meta_info"]["dp_rank"] for o in outputs}) == [0, 1]
             assert_matches_reference(outputs, references["deepseek_v2"])
             assert node0.stop() == 0
-        assert node1.wait(60) == 0
+        try:
+            code = node1.wait(60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"node 1 did not exit 60 s after node 0 stopped:\n{node1.output}")
+        assert code == 0, node1.output
         assert "started ranks ['dpserve-rank2', 'dpserve-rank3']" in node1.output
     finally:
         node1.kill()

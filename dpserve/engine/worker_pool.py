@@ -99,9 +99,13 @@ def _split(addr: str) -> tuple[str, int]:
 def start_ranks(cfg: EngineConfig, addrs: WorkerAddresses) -> list[mp.Process]:
     """Starts this node's ranks (global ranks node_rank * ranks_per_node ...)."""
     first = cfg.node_rank * cfg.ranks_per_node
-    spawn = mp.get_context("spawn")
+    # A fork server that has imported the worker (torch, transformers: ~3 s of CPU) forks each rank:
+    # only the first engine of a process pays for the imports. It imports nothing that starts
+    # CUDA, and a rank still dies with it (PR_SET_PDEATHSIG) as it does when the front end exits.
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["dpserve.worker.loop"])
     procs = [
-        spawn.Process(target=run_worker, args=(r, cfg, addrs), daemon=True, name=f"dpserve-rank{r}")
+        ctx.Process(target=run_worker, args=(r, cfg, addrs), daemon=True, name=f"dpserve-rank{r}")
         for r in range(first, first + cfg.ranks_per_node)
     ]
     for p in procs:

@@ -110,7 +110,6 @@ class MLAAttention(nn.Module):
         out = self.attend(q_nope, q_pe, torch.cat([latent, k_pe], dim=-1), batch, pool)
         return self.o_proj(out.reshape(n, -1))
 
-    @torch.compiler.disable  # between compiled regions (dpserve/worker/compile.py)
     def attend(
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, batch: ForwardBatch, pool: KVPool
     ) -> torch.Tensor:

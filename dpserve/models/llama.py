@@ -61,7 +61,6 @@ class GQAAttention(nn.Module):
         out = self.attend(q, k, v, batch, pool)
         return self.o_proj(out.reshape(n, -1))
 
-    @torch.compiler.disable  # between compiled regions (dpserve/worker/compile.py)
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, pool: KVPool
     ) -> torch.Tensor:

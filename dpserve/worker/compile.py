@@ -35,7 +35,6 @@ import time
 from collections.abc import Callable
 
 import torch
-from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 from tqdm import tqdm
 
 from dpserve.kvcache.pool import KVPool
@@ -52,6 +51,8 @@ LAYER_KINDS = 2  # dense MLP and MoE layers trace differently: one graph each pe
 def inductor_cache_dir() -> str:
     """Where inductor caches compiled graphs: `$TORCHINDUCTOR_CACHE_DIR` as the user set it, else
     dpserve's cache (every rank derives the same)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir  # imports Dynamo: 1.6 s
+
     current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     # Inductor writes its default into the variable on first use (importing transformers does).
     if current is None or current == os.path.abspath(default_cache_dir()):
@@ -74,6 +75,11 @@ class CompiledDecode:
         # graphs per layer kind and layout, not four (measured: half the compile time on the CPU).
         torch._dynamo.config.nested_graph_breaks = True
         self.run_layer = torch.compile(DecoderLayer.forward, dynamic=False)
+        # The graph break: every attention module's `attend` runs eagerly. Done here, not with a
+        # decorator, because `torch.compiler.disable` imports Dynamo (1.6 s per rank) at import.
+        for module in model.modules():
+            if callable(getattr(module, "attend", None)):
+                module.attend = torch.compiler.disable(module.attend)
 
     def covers(self, layout: StepLayout) -> bool:
         return (layout.mode, layout.bucket) in self.keys

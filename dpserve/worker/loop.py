@@ -12,12 +12,12 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import faulthandler
 import logging
+import multiprocessing as mp
+import multiprocessing.connection
 import os
 import signal
-import sys
 import threading
 import time
 import traceback
@@ -47,6 +47,7 @@ IDLE_WAIT_MS = 500
 STEP_LOG_LEN = 100_000
 # The watchdog's signal to a live rank: write every thread's Python stack to stderr (the log).
 STACK_DUMP_SIGNAL = signal.SIGUSR1
+SEND_LINGER_MS = 5000  # how long an exiting rank tries to deliver its last messages
 # What a rank reports when ready (weight_bytes: its parameters and buffers; activation_bytes: the
 # peak measured at start-up, GPU only).
 RANK_FIGURES = ("max_total_num_tokens", "kv_bytes_per_token", "weight_bytes", "activation_bytes")
@@ -100,32 +101,34 @@ def run_worker(rank: int, cfg: EngineConfig, addrs: WorkerAddresses) -> None:
     except BaseException as e:  # the front end must learn of every failure, never hang
         logger.exception("failed")
         heartbeat.stop()
-        out.send_pyobj(
-            {
-                "type": "error",
-                "rank": rank,
-                "error": f"{type(e).__name__}: {e}",
-                "traceback": traceback.format_exc(),
-            }
-        )
-        # The message is only queued: closing the context waits (up to the linger) until it is sent.
-        out.close(linger=5000)
-        ctx.term()
+        error = {"type": "error", "rank": rank, "error": f"{type(e).__name__}: {e}"}
+        # A PUSH without a peer blocks: a front end that is gone (another node's, stopped) is not
+        # waited for beyond the linger.
+        if out.poll(SEND_LINGER_MS, zmq.POLLOUT):
+            out.send_pyobj({**error, "traceback": traceback.format_exc()}, flags=zmq.NOBLOCK)
+        # The message is only queued: destroying the context waits (up to the linger) until it is sent.
+        ctx.destroy(linger=SEND_LINGER_MS)
         os._exit(1)
     heartbeat.stop()
-    out.close(linger=2000)
-    ctx.term()
+    ctx.destroy(linger=SEND_LINGER_MS)  # every socket, the request socket of a leader's too
 
 
 def _leave_signals_to_front_end() -> None:
     """Ctrl-C or a SIGTERM sent to the whole process group must reach the front end only, which
-    then stops every rank in order; a rank dies with its parent so it is never left orphaned."""
+    then stops every rank in order; a rank dies with the process that started it (the front end,
+    through the fork server) so it is never left orphaned."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     faulthandler.register(STACK_DUMP_SIGNAL, all_threads=True)
-    if sys.platform == "linux":
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    # Not PR_SET_PDEATHSIG: a rank's parent is the fork server, which outlives a killed front end.
+    starter = mp.parent_process()
+    if starter is not None:
+
+        def die_with_starter() -> None:
+            mp.connection.wait([starter.sentinel])
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        threading.Thread(target=die_with_starter, daemon=True, name="die-with-front-end").start()
 
 
 def heartbeat_interval(watchdog_timeout: float) -> float:
