@@ -165,3 +165,16 @@ def test_tiny_model_cli(tmp_path):
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["vocab_size"] == 301
     assert (out / "tokenizer.json").exists() and (out / "model.safetensors").exists()
+
+
+def test_startup_bench_prints_each_start(model_dirs, capsys):
+    from dpserve.bench import startup
+
+    startup.main(["--model-path", model_dirs["llama"], "--repeats", "2"])
+    rows = [
+        line
+        for line in capsys.readouterr().out.splitlines()
+        if line.startswith("| 1 ") or line.startswith("| 2 ")
+    ]
+    assert len(rows) == 2
+    assert all(float(cell) >= 0 for row in rows for cell in row.strip("|").split("|")[1:])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
 
 import httpx
 import pytest
@@ -91,3 +92,29 @@ def test_two_nodes_on_loopback_form_one_instance(model_dirs, prompts, references
         assert "started ranks ['dpserve-rank2', 'dpserve-rank3']" in node1.output
     finally:
         node1.kill()
+
+
+def running(pid: int) -> bool:
+    """The process exists and is not a zombie (a dead rank may wait for its reaper)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_ranks_die_with_a_killed_server(model_dirs):
+    """SIGKILL to the server (no shutdown at all): its ranks, forked by the fork server, follow it."""
+    srv = ServerProcess("--model-path", model_dirs["llama"], "--tp", "2")
+    pids = [int(p) for p in httpx.get(f"{srv.url}/get_server_info").json()["worker_pids"].values()]
+    try:
+        assert len(pids) == 2 and all(running(p) for p in pids)
+        srv.proc.kill()  # not srv.kill(): its reader would wait for the ranks, which hold the pipe
+        srv.proc.wait(60)
+        deadline = time.monotonic() + 30
+        while any(running(p) for p in pids):
+            assert time.monotonic() < deadline, f"ranks {pids} outlived their server"
+            time.sleep(0.1)
+    finally:
+        for pid in filter(running, pids):
+            os.kill(pid, signal.SIGKILL)
