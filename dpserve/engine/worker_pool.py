@@ -101,7 +101,7 @@ def start_ranks(cfg: EngineConfig, addrs: WorkerAddresses) -> list[mp.Process]:
     first = cfg.node_rank * cfg.ranks_per_node
     # A fork server that has imported the worker (torch, transformers: ~3 s of CPU) forks each rank:
     # only the first engine of a process pays for the imports. It imports nothing that starts
-    # CUDA, and a rank still dies with it (PR_SET_PDEATHSIG) as it does when the front end exits.
+    # CUDA. A rank still dies with the front end: it watches its starter's sentinel (worker/loop.py).
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["dpserve.worker.loop"])
     procs = [
