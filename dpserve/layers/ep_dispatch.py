@@ -43,7 +43,10 @@ def dispatch_combine(
     m, top_k = ids.shape
     dest = (ids // experts_per_rank).flatten()  # [pairs]
     order = torch.argsort(dest, stable=True)  # pairs grouped by destination, rows in order
-    counts = torch.bincount(dest, minlength=world)
+    # scatter_add_, not bincount: bincount reads its maximum back to the host (illegal in a capture).
+    counts = torch.zeros(world, dtype=torch.long, device=x.device).scatter_add_(
+        0, dest, torch.ones_like(dest)
+    )
     local_ids = (ids.flatten() % experts_per_rank)[order]
     rows = order // top_k
     if fixed_capacity:
