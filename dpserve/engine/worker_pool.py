@@ -53,6 +53,13 @@ def prepared(cfg: EngineConfig) -> EngineConfig:
             f"device=cuda, but this process sees no CUDA device (torch {torch.__version__}, {build}); "
             "use device cpu (or auto)"
         )
+    if cfg.device == "cuda" and cfg.ranks_per_node > (gpus := torch.cuda.device_count()):
+        # NCCL takes one GPU per rank: two ranks on one GPU would fail later as an NCCL error.
+        raise ValueError(
+            f"{cfg.ranks_per_node} ranks per node (tp={cfg.tp_size} x {cfg.num_instances} instance(s) over "
+            f"nnodes={cfg.nnodes}) need {cfg.ranks_per_node} GPUs per node, but this node sees {gpus} "
+            "(CUDA_VISIBLE_DEVICES); lower --tp/--dp or add nodes"
+        )
     return dataclasses.replace(cfg, model_path=resolve_model_path(cfg.model_path))
 
 
@@ -96,14 +103,18 @@ def _split(addr: str) -> tuple[str, int]:
     return host, int(port)
 
 
+# What the fork server imports before forking ranks: nothing on this path may initialise CUDA
+# (tests/test_gpu_startup.py checks it), or every forked rank fails with "initialization error".
+FORKSERVER_PRELOAD = ["dpserve.worker.loop"]
+
+
 def start_ranks(cfg: EngineConfig, addrs: WorkerAddresses) -> list[mp.Process]:
     """Starts this node's ranks (global ranks node_rank * ranks_per_node ...)."""
     first = cfg.node_rank * cfg.ranks_per_node
     # A fork server that has imported the worker (torch, transformers: ~3 s of CPU) forks each rank:
-    # only the first engine of a process pays for the imports. It imports nothing that starts
-    # CUDA. A rank still dies with the front end: it watches its starter's sentinel (worker/loop.py).
+    # only the first engine of a process pays for the imports. A rank still dies with the front end: it watches its starter's sentinel (worker/loop.py).
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["dpserve.worker.loop"])
+    ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
     procs = [
         ctx.Process(target=run_worker, args=(r, cfg, addrs), daemon=True, name=f"dpserve-rank{r}")
         for r in range(first, first + cfg.ranks_per_node)

@@ -199,7 +199,7 @@ class Worker:
         self.groups: Groups = init_groups(topo, cfg.device, addrs.dist_init[instance], cfg.dist_timeout)
         device = torch.device("cpu")
         if cfg.device == "cuda":
-            device = torch.device("cuda", rank % cfg.ranks_per_node % torch.cuda.device_count())
+            device = torch.device("cuda", rank % cfg.ranks_per_node)  # prepared() checked the count
             torch.cuda.set_device(device)
         self.runner = runner = ModelRunner(cfg, model_cfg, self.groups, device)
         if cfg.dp_padding_mode == "auto" and topo.dp_size > 1:
