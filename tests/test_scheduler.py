@@ -82,8 +82,14 @@ def expected_output(msg: GenerateRequest, rule=next_token) -> list[int]:
 def assert_slots_consistent(s: Scheduler) -> None:
     """Every slot is free, in the tree, or held by exactly one running request."""
     held = [slot for r in s.running for slot in r.slots[r.cached_len :] + r.dup_slots]
-    tree = [slot for n in s.tree._nodes() for slot in n.value] if s.tree else []
-    everything = held + tree + s.allocator.free_slots
+    tree, stack = [], list(s.tree.root.children.values()) if s.tree else []
+    while stack:
+        node = stack.pop()
+        tree += node.value
+        stack += node.children.values()
+    free = s.allocator.alloc(s.allocator.num_free)
+    s.allocator.free(free)  # put back: the test goes on
+    everything = held + tree + free
     assert sorted(everything) == list(range(1, s.kv_capacity + 1))
 
 
@@ -162,7 +168,7 @@ def test_retraction_order_and_protection():
     s.add(request("long", 8, new=30, first=40))
     step(s)
     assert len(s.running) == 2
-    s.allocator.free_slots.clear()  # the pool is suddenly full: the next step must retract
+    s.allocator.alloc(s.allocator.num_free)  # the pool is suddenly full: the next step must retract
     step(s)
     # Both generated one token: the longer prompt goes first, back to the front of the queue.
     assert [r.rid for r in s.waiting] == ["long"] and [r.rid for r in s.running] == ["short"]
@@ -176,7 +182,7 @@ def test_retraction_order_and_protection():
     step(s)
     veteran, young = s.running
     assert veteran.protected and not young.protected
-    s.allocator.free_slots.clear()
+    s.allocator.alloc(s.allocator.num_free)
     step(s)
     assert s.running == [veteran] and s.waiting[0] is young
 

@@ -2,7 +2,8 @@
 
 Each edge holds a run of token ids and, in a DP group's KV cache, the pool slots of their KV.
 Requests lock the path they use (lock counts up to the root); unlocked leaves are evicted least
-recently used first. The router keeps the same tree without slots, as an approximate record of
+recently used first, taken from a heap of candidate leaves kept as the tree changes (an eviction
+never walks the tree, which can hold a whole GPU pool's tokens). The router keeps the same tree without slots, as an approximate record of
 what each group holds.
 """
 
@@ -33,6 +34,12 @@ def _common_len(key: list[int], tokens: list[int], start: int) -> int:
     return n
 
 
+def _stale(entry: tuple[int, int, Node]) -> bool:
+    """Whether a heap entry's leaf was evicted, grew children, got locked or was touched since."""
+    access, _, node = entry
+    return node.parent is None or bool(node.children) or node.lock > 0 or node.last_access != access
+
+
 class RadixTree:
     def __init__(self) -> None:
         self._clock = itertools.count(1)  # logical time: LRU order without wall-clock ties
@@ -40,6 +47,11 @@ class RadixTree:
         self.root.lock = 1  # never evicted
         self.size = 0  # tokens held
         self.evictable = 0  # tokens in unlocked nodes
+        # Candidate leaves (last_access, tiebreak, node); entries go stale when the node is touched,
+        # locked, grows children or is evicted, and are skipped when popped.
+        self._leaves: list[tuple[int, int, Node]] = []
+        self._tiebreak = itertools.count()
+        self._num_nodes = 0
 
     def match_prefix(self, tokens: list[int]) -> tuple[list[int], Node, int]:
         """The longest held prefix of `tokens`: (its slots, the node it ends at, its length).
@@ -57,6 +69,7 @@ class RadixTree:
             if child.value is not None:
                 slots += child.value
             node, i = child, i + n
+        self._candidate(node)
         return slots, node, i
 
     def insert(self, tokens: list[int], values: list[int] | None = None) -> int:
@@ -68,15 +81,18 @@ class RadixTree:
             child = node.children.get(tokens[i])
             if child is None:
                 value = None if values is None else list(values[i:])
-                node.children[tokens[i]] = Node(node, list(tokens[i:]), value, now)
+                leaf = node.children[tokens[i]] = Node(node, list(tokens[i:]), value, now)
+                self._num_nodes += 1
                 self.size += len(tokens) - i
                 self.evictable += len(tokens) - i
+                self._candidate(leaf)
                 return i
             n = _common_len(child.key, tokens, i)
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access = now
             node, i = child, i + n
+        self._candidate(node)
         return i
 
     def lock(self, node: Node) -> None:
@@ -91,27 +107,40 @@ class RadixTree:
             node.lock -= 1
             if node.lock == 0:
                 self.evictable += len(node.key)
+                self._candidate(node)
             node = node.parent
 
     def evict(self, num_tokens: int) -> list[int]:
         """Removes unlocked leaves, least recently used first, until `num_tokens` tokens are gone
         (or nothing evictable is left); returns the removed slots."""
-        leaves = [(n.last_access, id(n), n) for n in self._nodes() if not n.children and n.lock == 0]
-        heapq.heapify(leaves)
         freed: list[int] = []
         removed = 0
-        while removed < num_tokens and leaves:
-            _, _, leaf = heapq.heappop(leaves)
+        while removed < num_tokens and self._leaves:
+            entry = heapq.heappop(self._leaves)
+            if _stale(entry):
+                continue
+            leaf = entry[2]
             parent = leaf.parent
             del parent.children[leaf.key[0]]
+            leaf.parent = None
+            self._num_nodes -= 1
             removed += len(leaf.key)
             self.size -= len(leaf.key)
             self.evictable -= len(leaf.key)
             if leaf.value is not None:
                 freed += leaf.value
-            if not parent.children and parent.lock == 0:
-                heapq.heappush(leaves, (parent.last_access, id(parent), parent))
+            self._candidate(parent)
         return freed
+
+    def _candidate(self, node: Node) -> None:
+        """Pushes `node` if it is an evictable leaf now; rebuilds the heap when stale entries
+        outnumber the nodes, so it stays proportional to the tree."""
+        if node.children or node.lock or node.parent is None:
+            return
+        heapq.heappush(self._leaves, (node.last_access, next(self._tiebreak), node))
+        if len(self._leaves) > 2 * self._num_nodes + 64:
+            self._leaves = [e for e in self._leaves if not _stale(e)]
+            heapq.heapify(self._leaves)
 
     def _split(self, child: Node, n: int) -> Node:
         """Cuts `child`'s edge after n tokens; returns the new upper node."""
@@ -123,11 +152,5 @@ class RadixTree:
         child.key = child.key[n:]
         child.value = None if child.value is None else child.value[n:]
         child.parent = mid
+        self._num_nodes += 1
         return mid
-
-    def _nodes(self):
-        stack = list(self.root.children.values())
-        while stack:
-            node = stack.pop()
-            yield node
-            stack.extend(node.children.values())
