@@ -10,12 +10,13 @@ import pytest
 import torch
 from conftest import NEW_TOKENS, engine_for
 
+from dpserve.models.batch import stage
 from dpserve.sampling_params import SamplingParams
 from dpserve.scheduler.request import GenerateRequest
 from dpserve.scheduler.scheduler import Scheduler
 from dpserve.speculative.rejection import greedy_accept
 from dpserve.testing.reference import _load_model, hf_sampling_reference, reference_logits
-from dpserve.worker.sampler import Penalties, TokenCounts, adjust_logits, sample
+from dpserve.worker.sampler import Penalties, TokenCounts, adjust_inputs, adjust_logits, sample
 
 VOCAB = 50
 EOS = 1
@@ -73,7 +74,9 @@ def test_adjusted_logits_match_the_reference_at_every_verified_position():
         for d in drafts:
             starts.append(starts[-1] + 1 + len(d))
         logits = torch.randn(starts[-1], VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
-        out = adjust_logits(logits, params, drafts, starts, penalties)
+        ints, floats = {}, {}
+        adjust_inputs(params, drafts, starts, penalties, ints, floats)
+        out = adjust_logits(logits, stage(ints, logits.device, floats), counts)
         for i, p in enumerate(params):
             for j in range(1 + len(drafts[i])):  # row j: the drafts before it count as generated
                 row = starts[i] + j
@@ -83,7 +86,7 @@ def test_adjusted_logits_match_the_reference_at_every_verified_position():
                 torch.testing.assert_close(out[row], expected, rtol=0, atol=1e-5)
                 assert out[row].argmax() == expected.argmax()
         # Greedy acceptance of the drafts follows the changed logits; logprobs stay the model's.
-        samples = sample(logits, params, [torch.Generator()] * len(params), drafts, penalties)
+        samples = sample(logits, params, [(0, 0)] * len(params), drafts, penalties)
         for i in range(len(params)):
             rows_i = range(starts[i], starts[i + 1])
             assert samples.tokens[i] == greedy_accept(drafts[i], [int(out[r].argmax()) for r in rows_i])
@@ -100,9 +103,8 @@ def test_min_new_tokens_masks_stop_tokens_until_reached():
     params = [SamplingParams(temperature=1.0, min_new_tokens=3, stop_token_ids=[5])] * 4
     counts = TokenCounts(VOCAB, 4)
     penalties = Penalties(counts, [-1] * 4, [3, 2, 1, 0], [[EOS, 5]] * 4)
-    gens = [torch.Generator().manual_seed(s) for s in range(4)]
-    tokens = sample(logits, params, gens, penalties=penalties).tokens
-    assert all(t not in (EOS, 5) for (t,) in tokens[:3]) and tokens[3] == [EOS]
+    tokens = sample(logits, params, [(s, 0) for s in range(4)], penalties=penalties).tokens
+    assert all(t not in (EOS, 5) for (t,) in tokens[:3]) and tokens[3] in ([EOS], [5])
 
 
 def test_top_logprobs_report_the_model_distribution():
@@ -111,9 +113,7 @@ def test_top_logprobs_report_the_model_distribution():
     counts = TokenCounts(VOCAB, 4)
     for i in range(3):
         counts.acquire(str(i), [int(logits[i].argmax())], [])  # the penalty changes the choice
-    samples = sample(
-        logits, params, [torch.Generator()] * 3, penalties=Penalties(counts, [0, 1, 2], [0] * 3, [[]] * 3)
-    )
+    samples = sample(logits, params, [(0, 0)] * 3, penalties=Penalties(counts, [0, 1, 2], [0] * 3, [[]] * 3))
     values, ids = logits.log_softmax(-1).topk(5)
     assert samples.top_logprobs[0] == [[]]
     for i, n in ((1, 1), (2, 5)):

@@ -6,15 +6,14 @@ import torch
 from conftest import CountOps
 
 from dpserve.sampling_params import SamplingParams
-from dpserve.worker.sampler import sample
+from dpserve.worker.sampler import Penalties, TokenCounts, sample
 
 PROBS = torch.tensor([0.4, 0.3, 0.2, 0.1])
 
 
 def draws(params: SamplingParams, n: int = 300) -> set[int]:
     logits = PROBS.log().repeat(n, 1)
-    gen = torch.Generator().manual_seed(0)
-    tokens = sample(logits, [params] * n, [gen] * n).tokens
+    tokens = sample(logits, [params] * n, [(r, 0) for r in range(n)]).tokens
     return {t for (t,) in tokens}
 
 
@@ -29,7 +28,7 @@ def test_filters():
 
 def test_logprob_is_of_the_model_distribution():
     logits = PROBS.log()[None]
-    tokens, logprobs, _ = sample(logits, [SamplingParams(temperature=0.0)], [torch.Generator()])
+    tokens, logprobs, _ = sample(logits, [SamplingParams(temperature=0.0)], [(0, 0)])
     assert tokens == [[0]] and abs(logprobs[0][0] - PROBS[0].log().item()) < 1e-6
 
 
@@ -41,7 +40,7 @@ def test_sampled_frequencies_follow_the_filtered_distribution():
         (SamplingParams(temperature=1.0), PROBS),
         (SamplingParams(temperature=1.0, top_k=2), torch.tensor([4 / 7, 3 / 7, 0, 0])),
     ):
-        tokens = sample(PROBS.log().repeat(n, 1), [params] * n, [torch.Generator().manual_seed(0)] * n).tokens
+        tokens = sample(PROBS.log().repeat(n, 1), [params] * n, [(0, r) for r in range(n)]).tokens
         freq = torch.bincount(torch.tensor(tokens).flatten(), minlength=4) / n
         assert (freq - expected).abs().max() < 0.03, (params, freq)
 
@@ -49,14 +48,9 @@ def test_sampled_frequencies_follow_the_filtered_distribution():
 def test_seeded_rows_do_not_depend_on_their_batch():
     seeded = SamplingParams(temperature=0.8, seed=7)
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
-    alone = sample(logits[1:2], [seeded], [torch.Generator().manual_seed(7)]).tokens
+    alone = sample(logits[1:2], [seeded], [(7, 5)]).tokens
     other = SamplingParams(temperature=1.0, top_p=0.5)
-    gens = [
-        torch.Generator().manual_seed(3),
-        torch.Generator().manual_seed(7),
-        torch.Generator().manual_seed(3),
-    ]
-    batch = sample(logits, [other, seeded, SamplingParams(temperature=0.0)], gens).tokens
+    batch = sample(logits, [other, seeded, SamplingParams(temperature=0.0)], [(3, 0), (7, 5), (3, 0)]).tokens
     assert batch[1] == alone[0]
 
 
@@ -67,8 +61,48 @@ def test_every_row_chosen_at_once():
     logits = torch.randn(12, 50, generator=torch.Generator().manual_seed(2))
     params = [SamplingParams(temperature=0.0 if i % 3 == 0 else 0.7, top_k=20, seed=i) for i in range(12)]
     with CountOps() as ops:
-        batch = sample(logits, params, [torch.Generator().manual_seed(i) for i in range(12)])
+        batch = sample(logits, params, [(i, 0) for i in range(12)])
     assert ops.calls["argmax"] == 2 and ops.calls["_local_scalar_dense"] == 0, ops.calls
     for i in range(12):
-        alone = sample(logits[i : i + 1], params[i : i + 1], [torch.Generator().manual_seed(i)])
+        alone = sample(logits[i : i + 1], params[i : i + 1], [(i, 0)])
         assert alone.tokens[0] == batch.tokens[i] and alone.logprobs[0] == batch.logprobs[i]
+
+
+def mixed_batch(n: int) -> tuple:
+    """n requests cycling through every kind of row a step samples: greedy and sampled, with and
+    without drafts, penalties with the min_new_tokens floor, logit bias, top logprobs."""
+    kinds = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05),
+        SamplingParams(temperature=1.0, frequency_penalty=0.5, min_new_tokens=4, logit_bias={3: 2.0}),
+        SamplingParams(temperature=0.0, repetition_penalty=1.3, top_logprobs_num=3),
+    ]
+    params = [kinds[i % 4] for i in range(n)]
+    drafts = [[(5 * i + j) % 50 for j in range(i % 3)] for i in range(n)]
+    counts = TokenCounts(50, n)
+    for i, p in enumerate(params):
+        if p.penalized:
+            counts.acquire(str(i), [1, 2, i % 50], [i % 7])
+    penalties = Penalties(
+        counts,
+        [counts.rows.get(str(i), -1) for i in range(n)],
+        [4 if p.min_new_tokens else 0 for p in params],
+        [[0, 7] if p.min_new_tokens else [] for p in params],
+    )
+    rows = sum(1 + len(d) for d in drafts)
+    logits = torch.randn(rows, 50, generator=torch.Generator().manual_seed(n))
+    return logits, params, [(i, 3) for i in range(n)], drafts, penalties
+
+
+def test_device_ops_per_step_do_not_depend_on_the_batch_size():
+    """Every op a step runs on the logits' device (host-to-device copies, draws, verification of all
+    drafts) is one op for the whole batch: 8 and 32 requests run exactly the same ops."""
+    calls = []
+    for n in (8, 32):
+        batch = mixed_batch(n)
+        with CountOps() as ops:
+            samples = sample(*batch)
+        assert len(samples.tokens) == n and all(samples.tokens)
+        calls.append(ops.calls)
+    assert calls[0] == calls[1], set(calls[0].items()) ^ set(calls[1].items())
+    assert calls[0]["_local_scalar_dense"] == 0 and calls[0]["exponential_"] == 0

@@ -59,7 +59,7 @@ class ForwardBatch:
             lists.update(zip(("rows", "cols", "slots"), table_writes, strict=True))
         host = {k: v for k, v in lists.items() if not isinstance(v, torch.Tensor)}
         t = {k: v.long() for k, v in lists.items() if isinstance(v, torch.Tensor)}
-        t.update(zip(host, stage(list(host.values()), dev), strict=True))
+        t.update(stage(host, dev))
         if table_writes is not None and table_writes[0]:
             req_to_token[t["rows"], t["cols"]] = t["slots"].int()
         attn = AttentionMetadata(
@@ -85,8 +85,19 @@ class ForwardBatch:
         )
 
 
-def stage(values: list[list[int]], device: torch.device) -> list[torch.Tensor]:
-    """Int lists as int64 tensors on `device`: views of one buffer built on the host (pinned when
-    the device is a GPU) and copied once, without blocking the host (pageable copies would, each)."""
-    host = torch.tensor([x for v in values for x in v], dtype=torch.long, pin_memory=device.type == "cuda")
-    return list(host.to(device, non_blocking=True).split([len(v) for v in values]))
+def stage(
+    ints: dict[str, list[int]], device: torch.device, floats: dict[str, list[float]] | None = None
+) -> dict[str, torch.Tensor]:
+    """Host lists as tensors on `device` (int64, and float64 for `floats`): views of one buffer built
+    on the host (pinned when the device is a GPU) and copied once without blocking the host
+    (pageable copies would block, each). Floats travel as their bit patterns: a view, not a cast."""
+    floats = floats or {}
+    flat = [x for v in ints.values() for x in v]
+    real = torch.tensor([x for v in floats.values() for x in v], dtype=torch.float64)
+    host = torch.empty(len(flat) + len(real), dtype=torch.long, pin_memory=device.type == "cuda")
+    host[: len(flat)] = torch.tensor(flat, dtype=torch.long)
+    host[len(flat) :] = real.view(torch.long)
+    parts = host.to(device, non_blocking=True).split([len(v) for v in (*ints.values(), *floats.values())])
+    out = dict(zip(ints, parts, strict=False))
+    out.update((k, t.view(torch.float64)) for k, t in zip(floats, parts[len(ints) :], strict=True))
+    return out

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from dpserve.kvcache.radix_cache import Node
 from dpserve.sampling_params import SamplingParams
 
@@ -28,7 +26,7 @@ class Req:
     params: SamplingParams
     return_logprob: bool
     max_len: int  # the most tokens this request can ever hold in the KV cache
-    generator: torch.Generator | None = None
+    seed: int = 0  # of its sampling noise (its own seed, or one the scheduler drew for it)
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per token, if asked

@@ -23,6 +23,7 @@ needs its hidden state, which the cache does not keep.
 from __future__ import annotations
 
 import logging
+import random
 from collections import deque
 
 import torch
@@ -70,7 +71,7 @@ class Scheduler:
         eos_ids: tuple[int, ...],
         seed: int,
         radix_cache: bool = True,
-        device: torch.device | str = "cpu",  # where sampling draws its noise (the logits' device)
+        device: torch.device | str = "cpu",  # the logits' device (penalty counts live there)
         num_drafts: int = 0,  # speculative tokens per decoding request and step; 0: off
         speculative_algorithm: str = "NGRAM",  # NGRAM or NEXTN (drafts handed in by `set_drafts`)
     ):
@@ -85,7 +86,7 @@ class Scheduler:
         self.allocator = SlotAllocator(kv_capacity)
         self.tree = RadixTree() if radix_cache else None
         self.free_rows = list(range(max_running, 0, -1))  # row 0 is the padding row
-        self.generator = torch.Generator(self.device).manual_seed(seed + dp_rank)
+        self.seeds = random.Random(seed + dp_rank)  # of requests without their own
         self.token_counts = TokenCounts(vocab_size, max_running, self.device)  # for penalties
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
@@ -118,9 +119,9 @@ class Scheduler:
         except ValueError as e:
             req = Req(msg.rid, msg.input_ids, msg.params, msg.return_logprob, 0)
             return self._output(req, {"type": "abort", "message": str(e)})
-        gen = None if msg.params.seed is None else torch.Generator(self.device).manual_seed(msg.params.seed)
+        seed = self.seeds.getrandbits(64) if msg.params.seed is None else msg.params.seed
         max_len = max_kv_len(len(msg.input_ids), msg.params, self.context_len)
-        self.waiting.append(Req(msg.rid, msg.input_ids, msg.params, msg.return_logprob, max_len, gen))
+        self.waiting.append(Req(msg.rid, msg.input_ids, msg.params, msg.return_logprob, max_len, seed))
         return None
 
     def abort(self, rid: str) -> dict | None:
@@ -322,9 +323,10 @@ class Scheduler:
 
     # --- after the forward -----------------------------------------------------------------------
 
-    def sampling_inputs(self) -> tuple[list, list[torch.Generator], list[list[int]], Penalties | None]:
-        """Sampling parameters, generators, drafts and penalties of the last batch's requests that
-        sample (penalties: None when none of them uses a penalty or a min_new_tokens floor)."""
+    def sampling_inputs(self) -> tuple[list, list[tuple[int, int]], list[list[int]], Penalties | None]:
+        """Sampling parameters, random keys (seed, tokens generated), drafts and penalties of the
+        last batch's requests that sample (penalties: None when none of them uses a penalty or a
+        min_new_tokens floor)."""
         reqs = self._sampled()
         min_left = [max(0, r.params.min_new_tokens - len(r.output_ids)) for r in reqs]
         penalties = None
@@ -337,7 +339,7 @@ class Scheduler:
             )
         return (
             [r.params for r in reqs],
-            [r.generator or self.generator for r in reqs],
+            [(r.seed, len(r.output_ids)) for r in reqs],
             [r.drafts for r in reqs],
             penalties,
         )
