@@ -22,7 +22,7 @@ import threading
 import time
 import traceback
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import zmq
@@ -236,7 +236,9 @@ class Worker:
         self.step_log: deque[StepRecord] = deque(maxlen=STEP_LOG_LEN)
         moes = runner.model.moe_layers
         # Rows per expert of every MoE layer since the front end last asked ([layers, experts]).
-        self.expert_load = torch.zeros(len(moes), moes[0].gate.shape[0] if moes else 0, dtype=torch.long)
+        experts = moes[0].gate.shape[0] if moes else 0
+        self.expert_load = torch.zeros(len(moes), experts, dtype=torch.long, device=device)  # read when asked
+        self._pending: tuple[StepRecord, torch.Tensor, torch.cuda.Event | None] | None = None
         self.report = StepReport(self.dp_rank)
         figures = {k: getattr(runner, k) for k in RANK_FIGURES}
         out.send_pyobj(
@@ -285,36 +287,53 @@ class Worker:
             drafts = self.drafter.run(draft_batch, sizes, self.runner.hidden)
             if s is not None:
                 s.set_drafts(drafts)
-        load = self.runner.take_expert_load()  # every rank: a collective under all_to_all
+        load = self.runner.take_expert_load()  # on the device; every rank: a collective under all_to_all
         if s is None:
             return
-        imbalance = 1.0
-        if load is not None:
-            self.expert_load += load
-            ep = load.shape[1] // self.runner.model.moe_layers[0].num_experts  # ranks owning experts
-            per_rank = load.view(load.shape[0], ep, -1).sum((0, 2))
-            imbalance = float(per_rank.max() / per_rank.float().mean()) if per_rank.sum() else 1.0
-            self.report.expert_imbalance.append(imbalance)
         self.step_counts["steps_padded" if layout.padded else "steps_eager"] += 1
-        self.step_log.append(
-            StepRecord(
-                kind=kind,
-                local_mode=batch.mode,
-                padding_mode=layout.mode,
-                tokens=layout.tokens,
-                mlp_rows=layout.mlp_rows,
-                seconds=time.perf_counter() - start,
-                forward_seconds=self.runner.forward_seconds,
-                real_rows=layout.total_tokens,
-                padded=layout.padded,
-                retractions=s.step_retractions,
-                slots_written=self.runner.slots_written,
-                draft_seconds=self.drafter.seconds if self.drafter else 0.0,
-                expert_imbalance=imbalance,
-                comm_bytes=self.runner.comm_bytes,
-                logit_rows=layout.logit_rows,
-            )
+        record = StepRecord(
+            kind=kind,
+            local_mode=batch.mode,
+            padding_mode=layout.mode,
+            tokens=layout.tokens,
+            mlp_rows=layout.mlp_rows,
+            seconds=time.perf_counter() - start,
+            forward_seconds=self.runner.forward_seconds,
+            real_rows=layout.total_tokens,
+            padded=layout.padded,
+            retractions=s.step_retractions,
+            slots_written=self.runner.slots_written,
+            draft_seconds=self.drafter.seconds if self.drafter else 0.0,
+            comm_bytes=self.runner.comm_bytes,
+            logit_rows=layout.logit_rows,
         )
+        self._log_pending()
+        if load is None:
+            self.step_log.append(record)
+            return
+        self.expert_load += load
+        ep = load.shape[1] // self.runner.model.moe_layers[0].num_experts  # ranks owning experts
+        per_rank = load.view(load.shape[0], ep, -1).sum((0, 2)).float()
+        imbalance = torch.where(per_rank.sum() > 0, per_rank.max() / per_rank.mean(), 1.0)
+        # Read a step later (after the next sampling sync), not now: reading it now would be a second
+        # sync per step, waiting for the drafts.
+        done = None
+        if imbalance.is_cuda:
+            done = torch.cuda.Event()
+            done.record()
+        self._pending = (record, imbalance.to("cpu", non_blocking=True), done)
+
+    def _log_pending(self) -> None:
+        """Logs the last MoE step with its expert imbalance, whose copy to the host was queued then."""
+        if self._pending is None:
+            return
+        record, imbalance, done = self._pending
+        if done is not None:
+            done.synchronize()  # done long ago, unless the step log is asked right after its step
+        record = replace(record, expert_imbalance=float(imbalance))
+        self.report.expert_imbalance.append(record.expert_imbalance)
+        self.step_log.append(record)
+        self._pending = None
 
     def _stats(self) -> dict:
         return {**self.scheduler.stats(), **self.step_counts} if self.scheduler else {}
@@ -335,10 +354,11 @@ class Worker:
                 pass
             elif msg["type"] == "get_expert_load":
                 self.out.send_pyobj(
-                    {"type": "expert_load", "dp_rank": self.dp_rank, "load": self.expert_load}
+                    {"type": "expert_load", "dp_rank": self.dp_rank, "load": self.expert_load.cpu()}
                 )
-                self.expert_load = torch.zeros_like(self.expert_load)
+                self.expert_load.zero_()
             elif msg["type"] == "get_step_log":
+                self._log_pending()
                 self.out.send_pyobj(
                     {"type": "step_log", "dp_rank": self.dp_rank, "steps": list(self.step_log)}
                 )

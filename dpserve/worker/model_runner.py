@@ -195,7 +195,7 @@ class ModelRunner:
 
     def take_expert_load(self) -> torch.Tensor | None:
         """Rows routed to each expert of each MoE layer since the last call, over every group
-        ([layers, experts], on the host), the counts zeroed; None for a model without MoE. Every rank
+        ([layers, experts], on the device: nothing read back), the counts zeroed; None for a model without MoE. Every rank
         must call it: rows counted on each rank's own rows (all_to_all) are summed over WORLD."""
         moes = self.model.moe_layers
         if not moes:
@@ -205,7 +205,7 @@ class ModelRunner:
             all_reduce(load, self.groups.world)
         for moe in moes:
             moe.load.zero_()
-        return load.cpu()
+        return load
 
     def _hidden(self, inputs: ForwardBatch) -> torch.Tensor:
         if self.graphs is not None and self.graphs.has(inputs.layout):
