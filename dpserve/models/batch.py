@@ -54,6 +54,7 @@ class ForwardBatch:
             "seq_lens": seq_lens,
             "q_start": [0, *accumulate(q_lens)],
             "logit_idx": logit_idx,
+            "group_tokens": list(layout.tokens),
         }
         if table_writes is not None:
             lists.update(zip(("rows", "cols", "slots"), table_writes, strict=True))
@@ -81,7 +82,7 @@ class ForwardBatch:
             t["logit_idx"],
             layout,
             layout.row_index(dev),
-            layout.real_rows(dev, own_rank),
+            layout.real_rows(dev, own_rank, t["group_tokens"]),
         )
 
 

@@ -202,14 +202,17 @@ class StepLayout:
         i = torch.arange(self.local_rows, device=device)
         return torch.where(i < self.local_tokens, i + self.offset, self.mlp_rows)
 
-    def real_rows(self, device: torch.device, own_rank: int | None = None) -> torch.Tensor:
+    def real_rows(
+        self, device: torch.device, own_rank: int | None = None, tokens: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """1 for each real row the MoE sees, 0 for padding (int64): every group's gathered rows, or
-        with `own_rank` (an attention TP rank) that rank's own slice of its group's rows."""
+        with `own_rank` (an attention TP rank) that rank's own slice of its group's rows. `tokens`:
+        `self.tokens` already on the device (a step stages it with its other inputs)."""
         if own_rank is not None:
             chunk = round_up(self.local_rows, self.attn_tp_size) // self.attn_tp_size
             rows = torch.arange(chunk, device=device) + own_rank * chunk
             return (rows < self.local_tokens).long()
         if self.mode == "sum_len":  # group g's rows start at the tokens before it: rows [0, S) real
             return (torch.arange(self.mlp_rows, device=device) < self.total_tokens).long()
-        tokens = torch.tensor(self.tokens, device=device)
+        tokens = torch.tensor(self.tokens, device=device) if tokens is None else tokens
         return (torch.arange(self.padded_len, device=device)[None, :] < tokens[:, None]).long().flatten()

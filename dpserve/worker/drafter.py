@@ -25,7 +25,7 @@ import torch
 
 from dpserve.kvcache.pool import KVPool
 from dpserve.models.base import CausalLM
-from dpserve.models.batch import ForwardBatch
+from dpserve.models.batch import ForwardBatch, stage
 from dpserve.step.padding import PaddingPolicy
 from dpserve.step.records import DraftBatch, DraftSizes
 
@@ -63,22 +63,28 @@ class NextNDrafter:
         q_lens = [len(r.next_tokens) for r in reqs]
         ends = list(accumulate(q_lens))
         layout = self.policy.layout([s.tokens for s in sizes], [s.drafting for s in sizes], can_pad=False)
-        rows = [r.row for r in reqs for _ in r.next_tokens]
         positions = [p for r in reqs for p in range(r.start, r.end)]
+        staged = stage(
+            {
+                "rows": [r.row for r in reqs for _ in r.next_tokens],
+                "positions": positions,
+                "src": [r.offset + i for r in reqs for i in range(len(r.next_tokens))],
+            },
+            dev,
+        )
         inputs = ForwardBatch.build(
             layout,
             table,
             [t for r in reqs for t in r.next_tokens],  # the MTP layer's input: the token after each row
             positions,
-            table[_tensor(rows, dev), _tensor(positions, dev)],
+            table[staged["rows"], staged["positions"]],
             [r.row for r in reqs],
             q_lens,
             [r.end for r in reqs],
             [end - 1 for r, end in zip(reqs, ends, strict=True) if r.draft],
             model.moe_own_rank,
         )
-        src = _tensor([r.offset + i for r in reqs for i in range(len(r.next_tokens))], dev)
-        logits, out = model.draft(model.norm(hidden[src]), inputs, self.pool)
+        logits, out = model.draft(model.norm(hidden[staged["src"]]), inputs, self.pool)
         drafts = torch.zeros(len(drafting), self.num_steps, dtype=torch.long, device=dev)
         drafts[:, 0] = logits.argmax(-1)
         # 2. Chained steps, each request while its positions stay inside the context.
@@ -90,15 +96,21 @@ class NextNDrafter:
             reqs_j = [drafting[i] for i in active]
             positions = [r.end - 1 + j for r in reqs_j]
             req_rows = [r.row for r in reqs_j]
-            slots = _tensor(
-                [self.scratch_base + (r.row - 1) * (self.num_steps - 1) + j - 1 for r in reqs_j], dev
+            staged = stage(
+                {
+                    "slots": [self.scratch_base + (r.row - 1) * (self.num_steps - 1) + j - 1 for r in reqs_j],
+                    "rows": req_rows,
+                    "positions": positions,
+                    "active": active,
+                },
+                dev,
             )
-            entry = (_tensor(req_rows, dev), _tensor(positions, dev))
+            slots, entry, idx = staged["slots"], (staged["rows"], staged["positions"]), staged["active"]
             table[entry] = slots.int()
             scratch_entries.append(entry)
             chain_rows = [s.chain[j - 1] for s in sizes]
             layout = self.policy.layout(chain_rows, chain_rows, can_pad=False)
-            n, idx = len(active), _tensor(active, dev)
+            n = len(active)
             seq_lens = [p + 1 for p in positions]
             inputs = ForwardBatch.build(
                 layout,
@@ -121,7 +133,3 @@ class NextNDrafter:
             table[entry] = 0
         self.seconds = time.perf_counter() - start
         return [chain[: 1 + n] for chain, n in zip(drafts.tolist(), chain_lens, strict=True)]
-
-
-def _tensor(values: list[int], device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype, device=device)
