@@ -92,12 +92,14 @@ def stage(
     """Host lists as tensors on `device` (int64, and float64 for `floats`): views of one buffer built
     on the host (pinned when the device is a GPU) and copied once without blocking the host
     (pageable copies would block, each). Floats travel as their bit patterns: a view, not a cast."""
-    floats = floats or {}
-    flat = [x for v in ints.values() for x in v]
-    real = torch.tensor([x for v in floats.values() for x in v], dtype=torch.float64)
-    host = torch.empty(len(flat) + len(real), dtype=torch.long, pin_memory=device.type == "cuda")
-    host[: len(flat)] = torch.tensor(flat, dtype=torch.long)
-    host[len(flat) :] = real.view(torch.long)
+    floats, pin = floats or {}, device.type == "cuda"
+    host = torch.tensor(
+        [x for v in ints.values() for x in v], dtype=torch.long, pin_memory=pin and not floats
+    )
+    if floats:
+        real = torch.tensor([x for v in floats.values() for x in v], dtype=torch.float64).view(torch.long)
+        buffer = torch.empty(len(host) + len(real), dtype=torch.long, pin_memory=pin)
+        host = torch.cat([host, real], out=buffer)
     parts = host.to(device, non_blocking=True).split([len(v) for v in (*ints.values(), *floats.values())])
     out = dict(zip(ints, parts, strict=False))
     out.update((k, t.view(torch.float64)) for k, t in zip(floats, parts[len(ints) :], strict=True))
