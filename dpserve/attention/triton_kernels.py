@@ -20,7 +20,9 @@ part and a masked remainder, the value dim is padded with masks.
 Grids and buffers depend only on the batch size, head counts and the int bounds passed in, never
 on the lengths' values, so a captured CUDA graph serves any lengths up to the table's width.
 `launch_config` alone chooses block sizes, split count and grid, for the GPU or the interpreter:
-tests call it with the GPU's choices and run them in the interpreter.
+tests call it with the GPU's choices and run them in the interpreter. Constexprs (block sizes
+included) come from head counts and dims only: the split count, which follows the step's longest
+context, is a runtime argument, so a new context length never compiles a new kernel.
 Softmax statistics and accumulators are float32 whatever the input dtype.
 """
 
@@ -111,14 +113,28 @@ def launch_config(
     else:  # broadcast products of block_h x dim x block_n in registers: about 8K of them
         block_n = min(64, max(8, 1 << (max(1, 8192 // (block_h * (block_d + block_dpe))).bit_length() - 1)))
     if num_splits is None:
-        by_length = max(1, triton.cdiv(max_seq_len, 4 * block_n))
-        if gpu:
-            programs = batch * kv_heads * progs_per_kv
-            num_splits = min(by_length, max(1, triton.cdiv(2 * (num_sms or _device_sms()), programs)))
-        else:
-            num_splits = min(by_length, 2)
+        num_splits = choose_num_splits(
+            max_seq_len, block_n, batch * kv_heads * progs_per_kv, device=device, num_sms=num_sms
+        )
     grid = (batch, kv_heads * progs_per_kv, num_splits)
     return Launch(grid, block_n, block_h=block_h, heads_per_prog=per_prog, num_splits=num_splits)
+
+
+def choose_num_splits(
+    max_seq_len: int,
+    block_n: int,
+    programs: int,
+    *,
+    device: Literal["cuda", "interpret"],
+    num_sms: int | None = None,
+) -> int:
+    """Context slices per request in decode: at most one per 4 key blocks of `max_seq_len`, and on
+    a GPU enough for about two waves of programs over its SMs (`programs`: those of one slice,
+    requests x head blocks); the interpreter takes at most 2 (each program costs milliseconds)."""
+    by_length = max(1, triton.cdiv(max_seq_len, 4 * block_n))
+    if device != "cuda":
+        return min(by_length, 2)
+    return min(by_length, max(1, triton.cdiv(2 * (num_sms or _device_sms()), programs)))
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -144,6 +160,17 @@ def _row_head_offset(b, h, stride_b, stride_h):
 
 
 @triton.jit
+def _mid_offset(b, heads, split, num_splits, NUM_HEADS: tl.constexpr, ROW: tl.constexpr):
+    """Offset of (request b, heads, split) in the contiguous [batch, NUM_HEADS, num_splits, ROW]
+    split-K scratch. Its strides are computed here rather than passed: as ints they would vary with
+    the split count and Triton would compile a variant per divisibility (ROW, a constexpr, keeps
+    the stores' alignment known)."""
+    return _row_head_offset(b, heads, NUM_HEADS * num_splits * ROW, num_splits * ROW) + split * ROW
+
+
+# num_splits follows the step's longest context: a runtime int, never specialized on (value 1,
+# divisibility by 16), so every context length runs the same compiled kernel.
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_split_kernel(
     Q,
     K,
@@ -154,6 +181,7 @@ def _decode_split_kernel(
     MidO,
     MidLse,
     scale,
+    num_splits,
     stride_qb,
     stride_qh,
     stride_ks,
@@ -161,11 +189,7 @@ def _decode_split_kernel(
     stride_vs,
     stride_vh,
     stride_rt,
-    stride_mb,
-    stride_mh,
-    stride_ms,
-    stride_lb,
-    stride_lh,
+    NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,  # query heads per KV head
     HEADS_PER_PROG: tl.constexpr,  # min(16, GROUP)
     PROGS_PER_KV: tl.constexpr,  # cdiv(GROUP, HEADS_PER_PROG)
@@ -176,7 +200,6 @@ def _decode_split_kernel(
     BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_H: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     USE_DOT: tl.constexpr,  # BLOCK_H >= 16
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -191,7 +214,7 @@ def _decode_split_kernel(
 
     seq_len = tl.load(SeqLens + b)
     row = tl.load(ReqIdx + b).to(tl.int64)
-    split_len = tl.cdiv(seq_len, NUM_SPLITS)
+    split_len = tl.cdiv(seq_len, num_splits)
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
@@ -240,45 +263,41 @@ def _decode_split_kernel(
             acc = acc * alpha[:, None] + _mm(p.to(v.dtype), v, USE_DOT, PRECISION)
             l_i = l_i * alpha + tl.sum(p, 1)
             m_i = m_new
-        out_ptr = MidO + _row_head_offset(b, heads[:, None], stride_mb, stride_mh) + split * stride_ms
+        out_ptr = MidO + _mid_offset(b, heads[:, None], split, num_splits, NUM_HEADS, LV)
         safe_l = tl.where(l_i > 0, l_i, 1.0)
         tl.store(out_ptr + offs_dv[None, :], acc / safe_l[:, None], mask=mask_h[:, None] & mask_dv[None, :])
         lse = tl.where(l_i > 0, m_i + tl.log(safe_l), float("-inf"))
-        tl.store(MidLse + b * stride_lb + heads * stride_lh + split, lse, mask=mask_h)
+        tl.store(MidLse + _mid_offset(b, heads, split, num_splits, NUM_HEADS, 1), lse, mask=mask_h)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
     MidO,
     MidLse,
     SeqLens,
     Out,
-    stride_mb,
-    stride_mh,
-    stride_ms,
-    stride_lb,
-    stride_lh,
+    num_splits,
     stride_ob,
     stride_oh,
+    NUM_HEADS: tl.constexpr,
     LV: tl.constexpr,
     BLOCK_DV: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(SeqLens + b)
-    split_len = tl.cdiv(seq_len, NUM_SPLITS)
+    split_len = tl.cdiv(seq_len, num_splits)
     offs_dv = tl.arange(0, BLOCK_DV)
     mask_dv = offs_dv < LV
     m_i = float("-inf")
     l_i = 0.0
     acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
-    base = _row_head_offset(b, h, stride_mb, stride_mh)
-    lse_base = b * stride_lb + h * stride_lh
-    for s in range(NUM_SPLITS):
+    for s in range(num_splits):  # a runtime bound: one compiled kernel for every split count
         if s * split_len < seq_len:  # empty slices wrote nothing
-            lse = tl.load(MidLse + lse_base + s)
-            o = tl.load(MidO + base + s * stride_ms + offs_dv, mask=mask_dv, other=0.0)
+            lse = tl.load(MidLse + _mid_offset(b, h, s, num_splits, NUM_HEADS, 1))
+            o = tl.load(
+                MidO + _mid_offset(b, h, s, num_splits, NUM_HEADS, LV) + offs_dv, mask=mask_dv, other=0.0
+            )
             m_new = tl.maximum(m_i, lse)
             alpha = tl.exp(m_i - m_new)
             w = tl.exp(lse - m_new)
@@ -313,7 +332,8 @@ def decode_attention(
     The context is cut into slices reduced in parallel, then merged: `launch` (by default
     `launch_config` for max_seq_len, the table's width when None, and num_kv_splits) sets their
     number and the grid; the grid and the float32 scratch ([batch, heads, splits, dv]) depend only
-    on the shapes and these bounds.
+    on the shapes and these bounds. The split count is a runtime argument of both kernels: in a
+    captured graph it is the one chosen at capture (for the graph's bound), with its scratch.
     """
     batch, heads, lk = q.shape
     kv_heads, lv = k_cache.shape[1], v_cache.shape[2]
@@ -345,6 +365,7 @@ def decode_attention(
         mid_o,
         mid_lse,
         scale,
+        splits,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -352,11 +373,7 @@ def decode_attention(
         v_cache.stride(0),
         v_cache.stride(1),
         req_to_token.stride(0),
-        mid_o.stride(0),
-        mid_o.stride(1),
-        mid_o.stride(2),
-        mid_lse.stride(0),
-        mid_lse.stride(1),
+        NUM_HEADS=heads,
         GROUP=heads // kv_heads,
         HEADS_PER_PROG=launch.heads_per_prog,
         PROGS_PER_KV=launch.grid[1] // kv_heads,
@@ -367,7 +384,6 @@ def decode_attention(
         BLOCK_DV=_block_dv(lv),
         BLOCK_N=launch.block_n,
         BLOCK_H=launch.block_h,
-        NUM_SPLITS=splits,
         USE_DOT=launch.block_h >= 16,
         PRECISION=_dot_precision(q.dtype),
         UPCAST=_upcast(q.dtype),
@@ -379,16 +395,12 @@ def decode_attention(
         mid_lse,
         seq_lens,
         out,
-        mid_o.stride(0),
-        mid_o.stride(1),
-        mid_o.stride(2),
-        mid_lse.stride(0),
-        mid_lse.stride(1),
+        splits,
         out.stride(0),
         out.stride(1),
+        NUM_HEADS=heads,
         LV=lv,
         BLOCK_DV=_block_dv(lv),
-        NUM_SPLITS=splits,
         num_warps=4,
     )
     return out
