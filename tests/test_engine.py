@@ -21,6 +21,7 @@ from conftest import (
 
 from dpserve import Engine
 from dpserve.engine.engine import WorkerFailure
+from dpserve.sampling_params import SamplingParams
 
 
 def test_request_larger_than_pool_is_rejected(engine_cache, model_dirs, prompts, references):
@@ -119,6 +120,55 @@ def test_sampling(engine_cache, model_dirs, prompts):
     greedy = engine.generate(input_ids=prompts[2], sampling_params={**seeded, "temperature": 0.0})
     top1 = engine.generate(input_ids=prompts[2], sampling_params={**seeded, "top_k": 1})
     assert top1["output_ids"] == greedy["output_ids"]
+
+
+HOSTILE_PARAMS = [
+    ({"top_k": 2**63}, "top_k must be -1 or an int >= 1"),
+    ({"seed": -(2**63) - 1}, "seed must be an int or None"),
+    ({"max_new_tokens": 2**64}, "max_new_tokens must be an int >= 1"),
+    ({"min_new_tokens": 2**63, "max_new_tokens": 2**63}, "max_new_tokens must be an int >= 1"),
+    ({"temperature": float("nan")}, "temperature must be a number >= 0"),
+    ({"temperature": float("inf")}, "temperature must be a number >= 0"),
+    ({"top_p": float("nan")}, "top_p must be in (0, 1]"),
+    ({"frequency_penalty": float("-inf")}, "frequency_penalty must be in [-2, 2]"),
+    ({"logit_bias": {2**63: 1.0}}, "logit_bias must map token ids to numbers in [-100, 100]"),
+    ({"logit_bias": {2**62: 1.0}}, "logit_bias token id 4611686018427387904 is outside the vocabulary"),
+    ({"logit_bias": {5: float("nan")}}, "logit_bias must map token ids to numbers in [-100, 100]"),
+    ({"logit_bias": {t: 1.0 for t in range(1025)}}, "(at most 1024 entries)"),
+    ({"stop_token_ids": [2**63]}, "stop_token_ids must be a list of ints"),
+    ({"stop_token_ids": [7] * 1025}, "stop_token_ids must be a list of ints (at most 1024)"),
+    ({"top_logprobs_num": 2**70}, "top_logprobs_num must be in [0, 20]"),
+]
+
+
+@pytest.mark.parametrize("params,message", HOSTILE_PARAMS)
+def test_extreme_values_are_refused_before_any_rank_sees_them(
+    engine_cache, model_dirs, prompts, params, message
+):
+    engine = engine_cache.get(model_dirs["llama"], tp_size=1, dp_size=1, kv_cache_memory_gb=KV_BUDGET_GB)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        engine.generate(input_ids=prompts[0], sampling_params={"max_new_tokens": 4, **params})
+    # A SamplingParams built past from_dict (as the HTTP layer builds them) is checked all the same.
+    with pytest.raises(ValueError, match=re.escape(message)):
+        engine.front.submit(prompts[0], SamplingParams(**{"max_new_tokens": 4, **params}))
+
+
+def test_a_request_left_nothing_to_sample_fails_alone(engine_cache, model_dirs, prompts):
+    """Extreme but valid values are served (a temperature that underflows is greedy, a top_k past
+    the vocabulary is all of it); a request whose min_new_tokens forbids every token ends with an
+    error naming why, its KV freed, while the request beside it gets its tokens."""
+    engine = engine_cache.get(model_dirs["llama"], tp_size=1, dp_size=1, kv_cache_memory_gb=KV_BUDGET_GB)
+    greedy = engine.generate(input_ids=prompts[1], sampling_params=GREEDY)["output_ids"]
+    extreme = {**GREEDY, "temperature": 1e-300, "top_k": 2**63 - 1, "top_p": 5e-324, "seed": 2**63 - 1}
+    assert engine.generate(input_ids=prompts[1], sampling_params=extreme)["output_ids"] == greedy
+    vocab = engine.model_cfg.vocab_size
+    hostile = {"max_new_tokens": 8, "min_new_tokens": 4, "stop_token_ids": list(range(vocab))}
+    bad = engine.submit(prompts[0], hostile)
+    good = engine.submit(prompts[1], GREEDY)
+    with pytest.raises(ValueError, match="no token can be sampled"):
+        engine.wait(bad)
+    assert engine.wait(good)["output_ids"] == greedy
+    assert engine.get_metrics()[0]["kv_used"] == 0
 
 
 def test_text_prompt(engine_cache, model_dirs):

@@ -166,7 +166,7 @@ def run_leader(params: list[SamplingParams], num_drafts: int, capacity: int) -> 
             for r in s._sampled()
             for j in range(1 + len(r.drafts))
         ]
-        samples = sample(torch.stack(rows), *inputs) if rows else ([], [], [])
+        samples = sample(torch.stack(rows), *inputs) if rows else ([], [], [], [])
         outputs.update((o["rid"], o["output_ids"]) for o in s.process_samples(*samples)[1])
     assert s.token_counts.rows == {}
     return [outputs[str(i)] for i in range(len(params))], s.counters

@@ -28,7 +28,7 @@ def test_filters():
 
 def test_logprob_is_of_the_model_distribution():
     logits = PROBS.log()[None]
-    tokens, logprobs, _ = sample(logits, [SamplingParams(temperature=0.0)], [(0, 0)])
+    tokens, logprobs, _, _ = sample(logits, [SamplingParams(temperature=0.0)], [(0, 0)])
     assert tokens == [[0]] and abs(logprobs[0][0] - PROBS[0].log().item()) < 1e-6
 
 
@@ -106,3 +106,43 @@ def test_device_ops_per_step_do_not_depend_on_the_batch_size():
         calls.append(ops.calls)
     assert calls[0] == calls[1], set(calls[0].items()) ^ set(calls[1].items())
     assert calls[0]["_local_scalar_dense"] == 0 and calls[0]["exponential_"] == 0
+
+
+def test_extreme_valid_values_never_sample_nan():
+    """Values the API allows that underflow float32: a temperature of 1e-300 samples greedily,
+    a top_p of 5e-324 keeps the most likely token, a top_k past int64's reach of the vocabulary
+    keeps all of it; none yields NaN or token 0 by default."""
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]]).repeat(50, 1)
+    for params, expected in (
+        (SamplingParams(temperature=1e-300), {1}),
+        (SamplingParams(temperature=1.0, top_p=5e-324), {1}),
+        (SamplingParams(temperature=1.0, top_p=5e-324, min_p=1.0, top_k=2**63 - 1), {1}),
+        (SamplingParams(temperature=1e300, top_k=2**63 - 1), {0, 1, 2, 3}),
+    ):
+        samples = sample(logits, [params] * 50, [(r, 0) for r in range(50)])
+        assert {t for (t,) in samples.tokens} == expected, params
+        assert all(lp[0] == lp[0] for lp in samples.logprobs) and samples.errors == [None] * 50
+
+
+def test_a_row_that_allows_no_token_ends_with_an_error():
+    """min_tokens forbidding every token (all stop ids), or NaN logits: the row is not sampled;
+    its request gets no token and an error, and the other rows of the batch are served as usual."""
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]]).repeat(3, 1)
+    logits[2, 1] = float("nan")
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, seed=1, min_new_tokens=3)]
+    params.append(SamplingParams(temperature=0.0))
+    penalties = Penalties(TokenCounts(4, 4), [-1] * 3, [0, 3, 0], [[], [0, 1, 2, 3], []])
+    samples = sample(logits, params, [(0, 0)] * 3, penalties=penalties)
+    assert samples.tokens == [[1], [], []]
+    assert samples.errors[0] is None and "no token can be sampled" in samples.errors[1] == samples.errors[2]
+
+
+def test_huge_penalties_and_biases_stay_finite():
+    """A repetition penalty below 1 multiplies a huge logit past float32 (+inf, then NaN in the
+    softmax): penalties and biases are clamped to finite logits, so the token is still drawn."""
+    logits = torch.tensor([[0.0, -3e38, 3e38, 1.0]])
+    counts = TokenCounts(4, 1)
+    counts.acquire("r", [1, 2], [2] * 1000)
+    params = SamplingParams(repetition_penalty=0.5, frequency_penalty=-2.0, logit_bias={1: -100.0})
+    samples = sample(logits, [params], [(0, 0)], penalties=Penalties(counts, [0], [0], [[]]))
+    assert samples.errors == [None] and samples.tokens == [[2]]

@@ -576,6 +576,59 @@ BAD_REQUESTS = [
 ]
 
 
+# Hostile values: each once crashed a rank (top_k past int64) or sampled NaN, or was answered in
+# another shape; all are 400s naming the field now, and the server keeps serving.
+BAD_REQUESTS += [
+    *[
+        (
+            path,
+            {**body, "top_k": 2**63},
+            400,
+            "top_k: Input should be less than or equal to 9223372036854775807",
+        )
+        for path, body in (
+            ("/v1/completions", {"prompt": "hi"}),
+            ("/v1/chat/completions", {"messages": CHAT}),
+        )
+    ],
+    (
+        "/generate",
+        {"text": "hi", "sampling_params": {"top_k": 2**63}},
+        400,
+        "top_k must be -1 or an int >= 1",
+    ),
+    (
+        "/v1/completions",
+        b'{"model": "m", "prompt": "hi", "temperature": NaN}',
+        400,
+        "temperature: Input should be a finite number",
+    ),
+    (
+        "/generate",
+        b'{"text": "hi", "sampling_params": {"top_p": Infinity}}',
+        400,
+        "top_p must be in (0, 1]",
+    ),
+    ("/v1/completions", {"prompt": "hi", "stop": ""}, 400, "stop: String should have at least 1 character"),
+    ("/generate", {"text": "hi", "sampling_params": {"stop": [""]}}, 400, "stop must be a string or a list"),
+    ("/generate", {"input_ids": []}, 400, "input_ids: List should have at least 1 item"),
+    ("/generate", {"text": []}, 400, "text: List should have at least 1 item"),
+    ("/v1/completions", {"prompt": []}, 400, "prompt: List should have at least 1 item"),
+    (
+        "/v1/completions",
+        {"prompt": "hi", "logit_bias": {str(t): 1 for t in range(1025)}},
+        400,
+        "logit_bias: Dictionary should have at most 1024 items",
+    ),
+    (
+        "/v1/completions",  # min_tokens forbids every token: the request fails, nothing is sampled
+        {"prompt": "hi", "max_tokens": 4, "min_tokens": 2, "stop_token_ids": list(range(301))},
+        400,
+        "the request was aborted: no token can be sampled",
+    ),
+]
+
+
 @pytest.mark.parametrize("path,body,status,message", BAD_REQUESTS)
 def test_bad_input_gets_4xx_and_server_keeps_serving(server, client, model, path, body, status, message):
     if isinstance(body, dict) and path.startswith("/v1"):
@@ -591,6 +644,13 @@ def test_bad_input_gets_4xx_and_server_keeps_serving(server, client, model, path
     assert message in error["message"] and error["code"] == status and error["type"]
     ok = client.completions.create(model=model, prompt="hi", max_tokens=2)
     assert ok.usage.completion_tokens >= 1
+
+
+def test_null_max_tokens_means_openai_default(server, model):
+    """max_tokens: null is OpenAI's default (16 for completions), not "up to the context"."""
+    body = {"model": model, "prompt": "hi", "max_tokens": None, "ignore_eos": True, "temperature": 0}
+    r = httpx.post(f"{server.url}/v1/completions", json=body)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 16
 
 
 def test_disconnect_mid_stream_frees_kv(server, model):

@@ -74,7 +74,9 @@ def max_kv_len(prompt_len: int, params: SamplingParams, context_len: int) -> int
 def check_request(
     input_ids: list[int], params: SamplingParams, vocab_size: int, context_len: int, kv_capacity: int
 ) -> None:
-    """Raises ValueError, naming the numbers, for a request this engine can never run."""
+    """Raises ValueError, naming the numbers, for a request this engine can never run: the one check
+    every request passes before it is queued (HTTP and offline alike)."""
+    params.validate()
     if not input_ids:
         raise ValueError("the prompt is empty")
     bad = next((t for t in input_ids if not isinstance(t, int) or not 0 <= t < vocab_size), None)

@@ -357,18 +357,22 @@ class Scheduler:
         tokens: list[list[int]],
         logprobs: list[list[float]],
         top_logprobs: list[list[list[tuple[int, float]]]] | None = None,
+        errors: list[str | None] | None = None,
     ) -> tuple[list[tuple[str, int, float, list[tuple[int, float]]]], list[dict]]:
         """Appends each sampling request's new tokens (one, or a verify step's accepted drafts and the
         next token), in order and none past a finish; frees the KV of rejected drafts; counts them for
         the penalties of requests still running; returns the tokens as (rid, token, logprob, top
         alternatives) and the outputs of the requests that finished. Freshly prefilled prompts go
-        into the prefix cache."""
+        into the prefix cache. A request the sampler could not go on with (`errors`) ends there, as
+        an abort its caller sees as a 400 naming the cause."""
         if self.tree is not None:
             for req in self._prefilled:
                 self._cache(req)
         new, finished, counted = [], [], []
         top_logprobs = top_logprobs or [[[] for _ in t] for t in tokens]
-        for req, toks, lps, tops in zip(self._sampled(), tokens, logprobs, top_logprobs, strict=True):
+        errors = errors or [None] * len(tokens)
+        steps = zip(self._sampled(), tokens, logprobs, top_logprobs, errors, strict=True)
+        for req, toks, lps, tops, error in steps:
             reason, emitted = None, 0
             for tok, lp, top in zip(toks, lps, tops, strict=True):
                 req.output_ids.append(tok)
@@ -379,9 +383,13 @@ class Scheduler:
                 reason = self._finish_reason(req, tok)
                 if reason is not None:
                     break
-            self.counters["spec_accepted_tokens"] += min(emitted, len(toks) - 1)  # drafts among them
+            if reason is None and error is not None:
+                reason = {"type": "abort", "message": error, "status_code": 400}
+            self.counters["spec_accepted_tokens"] += max(0, min(emitted, len(toks) - 1))  # drafts among them
             # The KV of every token but the last is kept: the drafts' slots past it are rejected ones.
-            rejected = req.kv_len - (req.seq_len - 1)
+            # A request that emitted nothing (a sampling error) keeps its last token's KV too: the
+            # prefix cache may hold it already.
+            rejected = req.kv_len - (req.seq_len - 1 if emitted else min(req.kv_len, req.seq_len))
             if rejected > 0:
                 self.allocator.free(req.slots[-rejected:])
                 del req.slots[-rejected:]

@@ -14,10 +14,10 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from dpserve.sampling_params import SamplingParams
+from dpserve.sampling_params import SamplingParams, check_stop_strings
 from dpserve.server.admission import Admission
 from dpserve.server.metrics import CONTENT_TYPE
-from dpserve.server.openai_api import OpenAIServing
+from dpserve.server.openai_api import OpenAIServing, aborted_error
 from dpserve.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequestBody
 from dpserve.server.streams import ClientDisconnected, collect, merge, sse
 from dpserve.server.tokenizer_manager import Chunk, RequestError, Submission, TokenizerManager
@@ -32,17 +32,27 @@ def error_response(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
 
 
+# Names pydantic gives the members of a union in an error's location: not fields, left out.
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+
+def _is_field(part: object) -> bool:
+    return isinstance(part, int) or (
+        part != "body" and part not in _TYPE_TAGS and "[" not in part and "-" not in part
+    )
+
+
 def _validation_message(exc: RequestValidationError) -> str:
     parts = []
     for err in exc.errors():
-        loc = ".".join(str(x) for x in err["loc"] if x != "body")
+        loc = ".".join(str(x) for x in err["loc"] if _is_field(x))
         if err["type"] == "model_attributes_type" and not loc:
             parts.append("the body must be a JSON object (and sent with Content-Type: application/json)")
         elif err["type"] == "json_invalid":
             parts.append(f"the body is not valid JSON: {err.get('ctx', {}).get('error', err['msg'])}")
         else:
             parts.append(f"{loc}: {err['msg']}" if loc else err["msg"])
-    return "; ".join(parts)
+    return "; ".join(dict.fromkeys(parts))  # a union's members often fail alike
 
 
 def create_app(tm: TokenizerManager, model_name: str, admission: Admission | None = None):
@@ -149,13 +159,10 @@ def create_app(tm: TokenizerManager, model_name: str, admission: Admission | Non
 
 def _native_params(d: dict | None, body: GenerateRequestBody) -> tuple[SamplingParams, list[str]]:
     d = dict(d or {})
-    stop = d.pop("stop", None) or []
-    stop = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-        raise RequestError("sampling_params.stop must be a string or a list of strings")
     if body.return_logprob and body.top_logprobs_num:
         d["top_logprobs_num"] = body.top_logprobs_num
     try:
+        stop = check_stop_strings(d.pop("stop", None) or [])
         return SamplingParams.from_dict(d), stop
     except (TypeError, ValueError) as e:
         raise RequestError(f"sampling_params: {e}") from None
@@ -191,9 +198,7 @@ async def native_generate(tm: TokenizerManager, body: GenerateRequestBody, reque
     outs = [_native_output(tm, chunks, body) for chunks in results]
     aborted = [o for o in outs if o["meta_info"]["finish_reason"]["type"] == "abort"]
     if aborted:
-        raise RequestError(
-            f"the request was aborted: {aborted[0]['meta_info']['finish_reason']['message']}", 503
-        )
+        raise aborted_error(aborted[0]["meta_info"]["finish_reason"])
     return outs[0] if single else outs
 
 

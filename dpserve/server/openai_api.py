@@ -22,6 +22,14 @@ def finish_reason(chunk: Chunk) -> str | None:
     return None if chunk.finish_reason is None else FINISH_REASONS[chunk.finish_reason["type"]]
 
 
+def aborted_error(reason: dict) -> RequestError:
+    """The error of a request that ended in an abort: 400 when its own parameters left nothing to
+    sample, 503 when the server stopped it (a failure, a shutdown)."""
+    return RequestError(
+        f"the request was aborted: {reason.get('message', 'aborted')}", reason.get("status_code", 503)
+    )
+
+
 class OpenAIServing:
     def __init__(self, tm: TokenizerManager, model_name: str):
         self.tm = tm
@@ -76,10 +84,8 @@ class OpenAIServing:
         prompt = req.prompt
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
             prompt = [prompt]
-        if not prompt:
-            raise RequestError("prompt is empty")
         ids = [p if isinstance(p, list) else await asyncio.to_thread(self.tm.tokenize, p) for p in prompt]
-        subs = self._submissions(req, ids, req.max_tokens, req.logprobs is not None)
+        subs = self._submissions(req, ids, req.max_new_tokens, req.logprobs is not None)
         # echo: each choice's text starts with its prompt (as given, or decoded from token ids).
         echo = None
         if req.echo:
@@ -117,9 +123,9 @@ class OpenAIServing:
             )
         results = await collect(request, streams)
         choices = [choice(i, chunks, subs[i].return_logprob, final=True) for i, chunks in enumerate(results)]
-        if any(c["finish_reason"] == "abort" for c in choices):
-            message = results[0][-1].finish_reason.get("message", "aborted")
-            raise RequestError(f"the request was aborted: {message}", 503)
+        aborted = [chunks[-1].finish_reason for chunks in results if finish_reason(chunks[-1]) == "abort"]
+        if aborted:
+            raise aborted_error(aborted[0])
         usage = _usage(prompt_tokens, [chunks[-1] for chunks in results], req.n)
         return JSONResponse({**head, "object": kind, "choices": choices, "usage": usage})
 

@@ -13,18 +13,40 @@ Fields in none of these are rejected (a typo gets a 400, as OpenAI does).
 from __future__ import annotations
 
 import json
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 from pydantic_core import PydanticCustomError
 
-from dpserve.sampling_params import SamplingParams
+from dpserve.sampling_params import (
+    INT64_MAX,
+    INT64_MIN,
+    MAX_LOGIT_BIAS,
+    MAX_STOP,
+    MAX_STOP_CHARS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOP_LOGPROBS,
+    SamplingParams,
+    check_stop_strings,
+)
 
-MAX_TOP_LOGPROBS = 20
+# The bounds of sampling_params.py, spelled so that the OpenAPI schema states them.
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
+Count = Annotated[int, Field(gt=0, le=INT64_MAX)]  # max_tokens and the like
+Prompt = Annotated[str, StringConstraints(min_length=1)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+StopString = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_CHARS)]
+Stop = StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None
+TokenIdKey = Annotated[str, StringConstraints(pattern=r"^[0-9]{1,19}$")]
+LogitBias = Annotated[
+    dict[TokenIdKey, Annotated[float, Field(ge=-100, le=100)]], Field(max_length=MAX_LOGIT_BIAS)
+]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # Unknown fields refused; NaN and infinities refused in every float (Python's JSON reads them).
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     # Fields accepted only at one of their neutral values (features dpserve does not have).
     NEUTRAL: ClassVar[dict[str, tuple]] = {}
 
@@ -73,38 +95,35 @@ class _OpenAIRequest(_Strict):
     n: int = Field(1, ge=1, le=64)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    sampling_seed: int | None = None  # SGLang's name for seed
+    stop: Stop = None
+    seed: Int64 | None = None
+    sampling_seed: Int64 | None = None  # SGLang's name for seed
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
-    min_tokens: int = Field(0, ge=0)
-    top_k: int = -1
+    logit_bias: LogitBias | None = None
+    min_tokens: int = Field(0, ge=0, le=INT64_MAX)
+    top_k: int = Field(-1, ge=-1, le=INT64_MAX)  # not 0; above the vocabulary: the whole of it
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     ignore_eos: bool = False
-    stop_token_ids: list[int] = Field(default_factory=list)
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
-    data_parallel_rank: int | None = None
+    data_parallel_rank: int | None = Field(None, ge=0, le=INT64_MAX)
     user: str | None = None  # no effect
 
     @model_validator(mode="after")
     def _check(self):
-        if self.top_k != -1 and self.top_k < 1:
-            raise ValueError(f"top_k must be -1 or >= 1, got {self.top_k}")
+        if self.top_k == 0:
+            raise ValueError("top_k must be -1 or >= 1, got 0")
         if None not in (self.seed, self.sampling_seed) and self.seed != self.sampling_seed:
             raise ValueError(f"seed={self.seed} and sampling_seed={self.sampling_seed} differ")
-        for key, bias in (self.logit_bias or {}).items():
-            if not key.isdigit() or not -100 <= bias <= 100:
-                raise ValueError(f"logit_bias maps token ids to numbers in [-100, 100], got {key!r}: {bias}")
         return self
 
     @property
     def stop_strings(self) -> list[str]:
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return check_stop_strings(self.stop or [])
 
     @property
     def include_usage(self) -> bool:
@@ -129,7 +148,7 @@ class _OpenAIRequest(_Strict):
             presence_penalty=self.presence_penalty,
             repetition_penalty=self.repetition_penalty,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
-            stop_token_ids=list(self.stop_token_ids),
+            stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
             top_logprobs_num=self.top_logprobs_num,
             skip_special_tokens=self.skip_special_tokens,
@@ -146,8 +165,8 @@ class CompletionRequest(_OpenAIRequest):
         "json_schema": (None,),
     }
 
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, gt=0)
+    prompt: Prompt | TokenIds | Annotated[list[Prompt] | list[TokenIds], Field(min_length=1)]
+    max_tokens: Count | None = 16  # null: OpenAI's default, 16
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     rid: str | list[str] | None = None  # no effect: dpserve names requests itself
@@ -161,6 +180,10 @@ class CompletionRequest(_OpenAIRequest):
     @property
     def top_logprobs_num(self) -> int:
         return self.logprobs or 0
+
+    @property
+    def max_new_tokens(self) -> int:
+        return 16 if self.max_tokens is None else self.max_tokens
 
 
 class TextPart(_Strict):
@@ -197,8 +220,8 @@ class ChatCompletionRequest(_OpenAIRequest):
     }
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, gt=0)
-    max_completion_tokens: int | None = Field(None, gt=0)
+    max_tokens: Count | None = None  # null: up to the context length (OpenAI's default)
+    max_completion_tokens: Count | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     continue_final_message: bool = False
@@ -257,14 +280,14 @@ class GenerateRequestBody(_Strict):
         "custom_labels": (None,),
     }
 
-    text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
-    sampling_params: dict | list[dict] | None = None
+    text: Prompt | Annotated[list[Prompt], Field(min_length=1)] | None = None
+    input_ids: TokenIds | Annotated[list[TokenIds], Field(min_length=1)] | None = None
+    sampling_params: dict | Annotated[list[dict], Field(min_length=1)] | None = None
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
     return_text_in_logprobs: bool = False
-    data_parallel_rank: int | None = None
+    data_parallel_rank: int | None = Field(None, ge=0, le=INT64_MAX)
     model: str | None = None
     # No effect: dpserve logs no request contents, keeps no per-request metrics log, names requests itself.
     log_metrics: bool = True

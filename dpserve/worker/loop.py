@@ -279,7 +279,7 @@ class Worker:
         """5. The leader samples; NEXTN drafts on every rank; the leader logs the step."""
         s = self.scheduler
         if s is not None and batch.reqs:
-            samples = sample(logits, *s.sampling_inputs()) if batch.num_logit_rows else ([], [], [])
+            samples = sample(logits, *s.sampling_inputs()) if batch.num_logit_rows else ([], [], [], [])
             self.report.add(*s.process_samples(*samples))
         if self.drafter is not None:
             draft_batch = share(s.draft_batch if s else None, self.groups)

@@ -84,13 +84,21 @@ class Penalties:
 
 
 class Samples(NamedTuple):
-    """Per request: its new tokens, their log-probabilities under the model's distribution, and at
+    """Per request: its new tokens, their log-probabilities under the model's distribution, at
     each new token the `top_logprobs_num` most likely (token, logprob) alternatives (empty lists
-    when it asked for none)."""
+    when it asked for none), and why it cannot go on (None while it can): a row whose logits allow
+    no token (all -inf or NaN) is never sampled; its request ends with the tokens before it."""
 
     tokens: list[list[int]]
     logprobs: list[list[float]]
     top_logprobs: list[list[list[tuple[int, float]]]]
+    errors: list[str | None]
+
+
+NO_TOKEN = (
+    "no token can be sampled: every logit is -inf or NaN after the request's penalties, logit_bias "
+    "and min_tokens (which forbids its stop tokens)"
+)
 
 
 def sample(
@@ -133,6 +141,7 @@ def sample(
     logprobs = logits.log_softmax(-1)
     if adjusting:
         logits = adjust_logits(logits, t, penalties.counts if penalties else None)
+    usable = logits.amax(-1) > float("-inf")  # False for a row all -inf or holding a NaN
     tok = logits.argmax(-1)  # each row's token: the greedy choice, or for sampled rows as below
     if sampled:
         probs = filtered_probs(logits[t["rows"]], t["temperature"], t["top_k"], t["top_p"], t["min_p"])
@@ -148,7 +157,7 @@ def sample(
             t["row_j"],
         )
         tok = tok.index_copy(0, t["rows"], sampled_tok)
-    parts = [tok.double(), logprobs.gather(1, tok[:, None])[:, 0].double()]
+    parts = [tok.double(), logprobs.gather(1, tok[:, None])[:, 0].double(), usable.double()]
     if sampled:
         parts.append(accepted.double())
     if top_n:
@@ -157,18 +166,20 @@ def sample(
     flat = torch.cat(parts).tolist()  # the one transfer back
 
     n = starts[-1]
-    row_tok, row_lp = [int(x) for x in flat[:n]], flat[n : 2 * n]
-    accepted_of = dict(zip(sampled, (int(x) for x in flat[2 * n : 2 * n + len(sampled)]), strict=True))
-    tokens, lps = [], []
+    row_tok, row_lp, row_ok = [int(x) for x in flat[:n]], flat[n : 2 * n], flat[2 * n : 3 * n]
+    accepted_of = dict(zip(sampled, (int(x) for x in flat[3 * n : 3 * n + len(sampled)]), strict=True))
+    tokens, lps, errors = [], [], []
     for i, p in enumerate(params):
         first, last = starts[i], starts[i + 1]
         # Rows before the emitted one hold the accepted drafts (sampling) or the argmax (greedy).
         count = len(greedy_accept(drafts[i], row_tok[first:last])) if p.greedy else 1 + accepted_of[i]
-        tokens.append(row_tok[first : first + count])
-        lps.append(row_lp[first : first + count])
+        good = next((k for k in range(count) if not row_ok[first + k]), count)
+        tokens.append(row_tok[first : first + good])
+        lps.append(row_lp[first : first + good])
+        errors.append(None if good == count else NO_TOKEN)
     top: list[list[list[tuple[int, float]]]] = [[[] for _ in toks] for toks in tokens]
     if top_n:
-        flat = flat[2 * n + len(sampled) :]
+        flat = flat[3 * n + len(sampled) :]
         values, ids = flat[: len(flat) // 2], [int(x) for x in flat[len(flat) // 2 :]]
         for k, row in enumerate(ints["top_rows"]):
             i = bisect_right(starts, row) - 1
@@ -178,7 +189,7 @@ def sample(
                     ids[k * top_n : k * top_n + num], values[k * top_n : k * top_n + num], strict=True
                 )
                 top[i][row - starts[i]] = list(pairs)
-    return Samples(tokens, lps, top)
+    return Samples(tokens, lps, top, errors)
 
 
 def _sampling_inputs(
@@ -283,6 +294,7 @@ def adjust_logits(
         out[at] = x - generated * freq - (generated > 0) * pres
     if "bias_rows" in t:
         out.index_put_((t["bias_rows"], t["bias_tokens"]), t["bias"].float(), accumulate=True)
+    out.clamp_(-FLOAT32_MAX, FLOAT32_MAX)  # penalties and biases never make a logit infinite
     if "banned_rows" in t:
         out[t["banned_rows"], t["banned"]] = float("-inf")
     return out
@@ -304,11 +316,13 @@ def filtered_probs(
     # top_p: the smallest prefix whose mass reaches it (the top token always stays).
     keep &= sorted_probs.cumsum(-1) - sorted_probs < top_p.float()[:, None]
     keep &= sorted_probs >= min_p.float()[:, None] * sorted_probs[:, :1]
+    keep[:, 0] = True  # whatever the float precision (top_p of 5e-324 is 0 in float32)
     filtered = torch.zeros_like(probs).scatter_(1, order, sorted_probs * keep)
     return filtered / filtered.sum(-1, keepdim=True)
 
 
 MASK32 = 0xFFFFFFFF
+FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
