@@ -646,6 +646,61 @@ def test_bad_input_gets_4xx_and_server_keeps_serving(server, client, model, path
     assert ok.usage.completion_tokens >= 1
 
 
+ERROR_SHAPES = [
+    ("POST", "/v1/completions", b'{"prompt": "\xff"}', "application/json", 400, "it is not UTF-8"),
+    ("POST", "/generate", b"[" * 100_000 + b"]" * 100_000, "application/json", 400, "nested too deeply"),
+    ("POST", "/generate", b'{"text": "hi"}', "text/plain", 415, "Content-Type: application/json"),
+    (
+        "POST",
+        "/v1/chat/completions",
+        b"messages=hi",
+        "application/x-www-form-urlencoded",
+        415,
+        "must be JSON",
+    ),
+    ("GET", "/no/such/path", None, None, 404, "Not Found"),
+    ("DELETE", "/generate", None, None, 405, "Method Not Allowed"),
+]
+
+
+@pytest.mark.parametrize("method,path,body,content_type,status,message", ERROR_SHAPES)
+def test_every_error_has_one_shape(server, method, path, body, content_type, status, message):
+    """Errors FastAPI or the admission layer raise come in the API's one shape too."""
+    headers = {"content-type": content_type} if content_type else {}
+    r = httpx.request(method, f"{server.url}{path}", content=body, headers=headers)
+    assert r.status_code == status and r.headers["content-type"] == "application/json", r.text
+    assert set(r.json()) == {"error"} and set(r.json()["error"]) == {"message", "type", "code"}
+    assert message in r.json()["error"]["message"] and r.json()["error"]["code"] == status
+
+
+def test_openapi_document_says_what_the_server_does(server, model):
+    doc = httpx.get(f"{server.url}/openapi.json").json()
+    assert '"422"' not in json.dumps(doc)
+    for path in ("/generate", "/v1/completions", "/v1/chat/completions"):
+        responses = doc["paths"][path]["post"]["responses"]
+        assert set(responses) == {"200", "400", "401", "404", "413", "415", "503"}
+        assert set(responses["200"]["content"]) == {"application/json", "text/event-stream"}
+        assert responses["400"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse")
+    for path in ("/health", "/metrics"):
+        assert set(doc["paths"][path]["get"]["responses"]["200"]["content"]) == {"text/plain"}
+    schemas = doc["components"]["schemas"]
+    completion = schemas["CompletionRequest"]["properties"]
+    assert completion["top_k"] == {
+        "type": "integer",
+        "maximum": 2**63 - 1,
+        "minimum": -1,
+        "title": "Top K",
+        "default": -1,
+    }
+    assert completion["model"]["enum"] == [model]
+    assert {"maximum": 2.0, "minimum": 0.0}.items() <= completion["temperature"].items()
+    token_ids = schemas["GenerateRequestBody"]["properties"]["input_ids"]["anyOf"][0]
+    assert (
+        token_ids["items"] == {"type": "integer", "minimum": 0, "maximum": 300} and token_ids["minItems"] == 1
+    )
+    assert schemas["ChatCompletionRequest"]["properties"]["logit_bias"]["anyOf"][0]["maxProperties"] == 1024
+
+
 def test_null_max_tokens_means_openai_default(server, model):
     """max_tokens: null is OpenAI's default (16 for completions), not "up to the context"."""
     body = {"model": model, "prompt": "hi", "max_tokens": None, "ignore_eos": True, "temperature": 0}

@@ -1,5 +1,5 @@
 """Who and what gets in, before FastAPI sees a request: the API key (--api-key), the body size
-limit (--max-request-bytes), load shedding (--max-queued-requests) and draining on a graceful stop
+limit (--max-request-bytes), JSON bodies only (415), load shedding (--max-queued-requests) and draining on a graceful stop
 (--graceful-shutdown-timeout). A plain ASGI middleware, so a refused body is never read whole."""
 
 from __future__ import annotations
@@ -14,11 +14,19 @@ GENERATION_PATHS = frozenset({"/generate", "/v1/completions", "/v1/chat/completi
 RETRY_AFTER_S = 1  # what a shed request is told to wait
 DEFAULT_MAX_REQUEST_BYTES = 32 << 20  # far above a context-length prompt sent as token ids
 DRAIN_BYTES = 1 << 20  # of a body over the limit: read and dropped before the 413
-ERROR_TYPES = {
-    401: "authentication_error",
-    413: "invalid_request_error",
-    503: "service_unavailable",
-}
+ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 503: "service_unavailable"}
+JSON_TYPES = (b"application/json",)  # and any application/*+json
+
+
+def error_body(status: int, message: str) -> dict:
+    """The one error shape of every path (OpenAI's): {"error": {"message", "type", "code"}}."""
+    kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "internal_error")
+    return {"error": {"message": message, "type": kind, "code": status}}
+
+
+def _is_json(content_type: bytes) -> bool:
+    media = content_type.split(b";", 1)[0].strip().lower()
+    return media in JSON_TYPES or (media.startswith(b"application/") and media.endswith(b"+json"))
 
 
 @dataclass
@@ -84,6 +92,13 @@ class Admission:
                 receive = _replay(body, receive)
             if path not in GENERATION_PATHS or scope["method"] != "POST":
                 return await app(scope, receive, send)
+            content_type = headers.get(b"content-type")
+            if content_type is not None and not _is_json(content_type):
+                return await _error(
+                    send,
+                    415,
+                    f"the body must be JSON (Content-Type: application/json), not {content_type.decode('latin-1')!r}",
+                )
             refusal = self._refusal()
             if refusal is not None:
                 return await _error(send, 503, refusal, {"retry-after": str(RETRY_AFTER_S)})
@@ -151,7 +166,7 @@ def _replay(body: bytes, receive):
 
 async def _error(send, status: int, message: str, headers: dict[str, str] | None = None) -> None:
     """An OpenAI-style JSON error, as the app's own errors (server/http.py)."""
-    body = json.dumps({"error": {"message": message, "type": ERROR_TYPES[status], "code": status}}).encode()
+    body = json.dumps(error_body(status, message)).encode()
     raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     raw += [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
     if status == 413:

@@ -13,23 +13,43 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from dpserve.sampling_params import SamplingParams, check_stop_strings
-from dpserve.server.admission import Admission
+from dpserve.sampling_params import INT64_MAX, INT64_MIN, SamplingParams, check_stop_strings
+from dpserve.server.admission import Admission, error_body
 from dpserve.server.metrics import CONTENT_TYPE
 from dpserve.server.openai_api import OpenAIServing, aborted_error
-from dpserve.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequestBody
+from dpserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorResponse,
+    GenerateRequestBody,
+)
 from dpserve.server.streams import ClientDisconnected, collect, merge, sse
 from dpserve.server.tokenizer_manager import Chunk, RequestError, Submission, TokenizerManager
 
 logger = logging.getLogger("dpserve.server")
 
-ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 503: "service_unavailable"}
+# What each error status means, for the OpenAPI document (the body: protocol.ErrorResponse).
+ERRORS = {
+    400: "An invalid request: the message names the field and its bound",
+    401: "A missing or wrong API key (--api-key)",
+    404: "An unknown model",
+    413: "A body larger than --max-request-bytes",
+    415: "A body that is not JSON (Content-Type)",
+    503: "Overloaded (--max-queued-requests), shutting down, or stopped by a worker failure",
+}
+GENERATION_ERRORS = (400, 401, 404, 413, 415, 503)
+STREAMED = {200: {"content": {"text/event-stream": {}}}}  # server-sent events, each a JSON body
+PLAIN_TEXT = {"content": {"text/plain": {"schema": {"type": "string"}}}}
 
 
-def error_response(status: int, message: str) -> JSONResponse:
-    kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "internal_error")
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+def errors(*statuses: int) -> dict:
+    return {s: {"model": ErrorResponse, "description": ERRORS[s]} for s in statuses}
+
+
+def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message), status_code=status, headers=headers)
 
 
 # Names pydantic gives the members of a union in an error's location: not fields, left out.
@@ -67,11 +87,21 @@ def create_app(tm: TokenizerManager, model_name: str, admission: Admission | Non
         yield
         tm.abort_all("the server is shutting down")
 
-    app = FastAPI(title="dpserve", lifespan=lifespan)
+    app = FastAPI(title="dpserve", lifespan=lifespan, responses=errors(401))
+    app.openapi = lambda: _openapi(app, model_name, tm.model_cfg.vocab_size)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
         return error_response(400, _validation_message(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        # FastAPI's own: an unknown path or method, and a body it could not parse as JSON at all
+        # (not UTF-8, nested past the parser's recursion limit).
+        message = str(exc.detail)
+        if exc.status_code == 400:
+            message = "the body could not be parsed as JSON (it is not UTF-8, or is nested too deeply)"
+        return error_response(exc.status_code, message, exc.headers)
 
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, exc: RequestError):
@@ -81,7 +111,7 @@ def create_app(tm: TokenizerManager, model_name: str, admission: Admission | Non
     async def _gone(request: Request, exc: ClientDisconnected):
         return error_response(499, "the client disconnected")
 
-    @app.get("/health")
+    @app.get("/health", response_class=PlainTextResponse, responses={200: PLAIN_TEXT, **errors(503)})
     async def health():
         if tm.failure is not None:
             return error_response(503, f"a worker failed: {tm.failure}")
@@ -127,12 +157,12 @@ def create_app(tm: TokenizerManager, model_name: str, admission: Admission | Non
             for g in tm.front.metrics()["dp_ranks"]
         ]
 
-    @app.post("/flush_cache")
+    @app.post("/flush_cache", response_class=PlainTextResponse, responses={200: PLAIN_TEXT, **errors(413)})
     async def flush_cache():
         tm.front.flush_cache()
         return PlainTextResponse("Cache flushed: every prefix-cache entry no running request holds.")
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses={200: PLAIN_TEXT})
     async def metrics():
         return Response(tm.metrics_registry.render(), media_type=CONTENT_TYPE)
 
@@ -140,21 +170,61 @@ def create_app(tm: TokenizerManager, model_name: str, admission: Admission | Non
     async def models():
         return openai.models()
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses={**STREAMED, **errors(*GENERATION_ERRORS)})
     async def completions(body: CompletionRequest, request: Request):
         return await openai.completions(body, request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses={**STREAMED, **errors(*GENERATION_ERRORS)})
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await openai.chat(body, request)
 
-    @app.post("/generate")
+    @app.post("/generate", responses={**STREAMED, **errors(*GENERATION_ERRORS)})
     async def generate(body: GenerateRequestBody, request: Request):
         if body.model is not None:
             openai.check_model(body.model)
         return await native_generate(tm, body, request)
 
     return admission.middleware(app)
+
+
+def _openapi(app: FastAPI, model_name: str, vocab_size: int) -> dict:
+    """FastAPI's document, made to say what the server does: no 422 (validation errors are 400s),
+    every error a JSON ErrorResponse (also on the plain-text endpoints), integer bounds as integers
+    (FastAPI writes them as floats, and int64's maximum as 2^63), token ids within the served
+    model's vocabulary, and `model` its name."""
+    if app.openapi_schema is None:
+        schema = _integer_bounds(FastAPI.openapi(app), vocab_size)
+        models = schema["components"]["schemas"]
+        served = {"type": "string", "enum": [model_name], "title": "Model"}
+        for name in ("CompletionRequest", "ChatCompletionRequest"):
+            models[name]["properties"]["model"] = served
+        models["GenerateRequestBody"]["properties"]["model"] = {"anyOf": [served, {"type": "null"}]}
+        error = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
+        for operations in schema["paths"].values():
+            for operation in operations.values():
+                operation["responses"].pop("422", None)
+                for status, response in operation["responses"].items():
+                    if int(status) >= 400:
+                        response["content"] = error
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema["components"]["schemas"].pop(name, None)
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+def _integer_bounds(node, vocab_size: int):
+    if isinstance(node, dict):
+        out = {k: _integer_bounds(v, vocab_size) for k, v in node.items()}
+        if out.get("type") == "integer":
+            for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+                if isinstance(out.get(key), float):
+                    out[key] = min(max(int(out[key]), INT64_MIN), INT64_MAX)
+            if out.pop("x-token-id", False):
+                out["maximum"] = vocab_size - 1
+        return out
+    if isinstance(node, list):
+        return [_integer_bounds(v, vocab_size) for v in node]
+    return node
 
 
 def _native_params(d: dict | None, body: GenerateRequestBody) -> tuple[SamplingParams, list[str]]:

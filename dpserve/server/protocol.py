@@ -13,7 +13,7 @@ Fields in none of these are rejected (a typo gets a 400, as OpenAI does).
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 from pydantic_core import PydanticCustomError
@@ -30,12 +30,16 @@ from dpserve.sampling_params import (
     check_stop_strings,
 )
 
+T = TypeVar("T")
+
 # The bounds of sampling_params.py, spelled so that the OpenAPI schema states them.
 Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
-TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
+# The server's OpenAPI document bounds these by the served model's vocabulary (server/http.py).
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX, json_schema_extra={"x-token-id": True})]
 Count = Annotated[int, Field(gt=0, le=INT64_MAX)]  # max_tokens and the like
 Prompt = Annotated[str, StringConstraints(min_length=1)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+Batch = Annotated[list[T], Field(min_length=1)]  # of prompts: never empty
 StopString = Annotated[str, StringConstraints(min_length=1, max_length=MAX_STOP_CHARS)]
 Stop = StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None
 TokenIdKey = Annotated[str, StringConstraints(pattern=r"^[0-9]{1,19}$")]
@@ -45,8 +49,9 @@ LogitBias = Annotated[
 
 
 class _Strict(BaseModel):
-    # Unknown fields refused; NaN and infinities refused in every float (Python's JSON reads them).
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    # Unknown fields refused; NaN and infinities refused in every float (Python's JSON reads them);
+    # no coercion (0 is not false, "16" not 16): a value of the wrong JSON type is a 400.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
     # Fields accepted only at one of their neutral values (features dpserve does not have).
     NEUTRAL: ClassVar[dict[str, tuple]] = {}
 
@@ -73,6 +78,18 @@ class _Strict(BaseModel):
     def accepted_fields(cls) -> set[str]:
         """Every field name the endpoint accepts (the README's table)."""
         return set(cls.model_fields) | set(cls.NEUTRAL)
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    """Every error's body, on every path (OpenAI's shape)."""
+
+    error: ErrorDetail
 
 
 class StreamOptions(_Strict):
@@ -165,7 +182,7 @@ class CompletionRequest(_OpenAIRequest):
         "json_schema": (None,),
     }
 
-    prompt: Prompt | TokenIds | Annotated[list[Prompt] | list[TokenIds], Field(min_length=1)]
+    prompt: Prompt | TokenIds | Batch[Prompt] | Batch[TokenIds]
     max_tokens: Count | None = 16  # null: OpenAI's default, 16
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
@@ -254,6 +271,20 @@ class ChatCompletionRequest(_OpenAIRequest):
 class GenerateRequestBody(_Strict):
     """Native /generate (SGLang's shape): text or input_ids, one or a batch."""
 
+    model_config = ConfigDict(
+        **_Strict.model_config,
+        # Exactly one of text and input_ids, as `_one_input` checks (null counts as absent).
+        json_schema_extra={
+            "oneOf": [
+                {
+                    "required": [given],
+                    "properties": {given: {"not": {"type": "null"}}, other: {"type": "null"}},
+                }
+                for given, other in (("text", "input_ids"), ("input_ids", "text"))
+            ]
+        },
+    )
+
     NEUTRAL: ClassVar[dict[str, tuple]] = {
         "logprob_start_len": (None, -1),
         "token_ids_logprob": (None,),
@@ -280,9 +311,9 @@ class GenerateRequestBody(_Strict):
         "custom_labels": (None,),
     }
 
-    text: Prompt | Annotated[list[Prompt], Field(min_length=1)] | None = None
-    input_ids: TokenIds | Annotated[list[TokenIds], Field(min_length=1)] | None = None
-    sampling_params: dict | Annotated[list[dict], Field(min_length=1)] | None = None
+    text: Prompt | Batch[Prompt] | None = None
+    input_ids: TokenIds | Batch[TokenIds] | None = None
+    sampling_params: dict | Batch[dict] | None = None
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
