@@ -23,7 +23,7 @@ def kv_used(url: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("dpserve_kv_used_tokens"))
 
 
-def test_fuzzed_api_never_fails_and_matches_its_schema(model_dirs, engine_cache):
+def test_fuzzed_api_never_fails_and_matches_its_schema(model_dirs, engine_cache, tmp_path):
     engine_cache.close()  # two cores: no idle engine beside the server
     with ServerProcess("--model-path", model_dirs["llama"], "--tp", "1", "--max-total-tokens", "1024") as srv:
         run = subprocess.run(
@@ -34,6 +34,7 @@ def test_fuzzed_api_never_fails_and_matches_its_schema(model_dirs, engine_cache)
             + ["--generation-database", "none"],
             capture_output=True,
             text=True,
+            cwd=tmp_path,  # schemathesis keeps a .schemathesis folder in its working directory
             timeout=FUZZ_SECONDS + 120,
         )
         summary = run.stdout[-6000:]

@@ -693,7 +693,10 @@ def test_openapi_document_says_what_the_server_does(server, model):
         "default": -1,
     }
     assert completion["model"]["enum"] == [model]
-    assert {"maximum": 2.0, "minimum": 0.0}.items() <= completion["temperature"].items()
+    assert completion["temperature"]["anyOf"] == [
+        {"type": "number", "maximum": 2.0, "minimum": 0.0},
+        {"type": "null"},  # null: the default, 1
+    ]
     token_ids = schemas["GenerateRequestBody"]["properties"]["input_ids"]["anyOf"][0]
     assert (
         token_ids["items"] == {"type": "integer", "minimum": 0, "maximum": 300} and token_ids["minItems"] == 1
@@ -702,10 +705,15 @@ def test_openapi_document_says_what_the_server_does(server, model):
 
 
 def test_null_max_tokens_means_openai_default(server, model):
-    """max_tokens: null is OpenAI's default (16 for completions), not "up to the context"."""
-    body = {"model": model, "prompt": "hi", "max_tokens": None, "ignore_eos": True, "temperature": 0}
+    """null is OpenAI's default where OpenAI says so: max_tokens 16 for completions (not "up to
+    the context"), one choice, no stream, no echo."""
+    nulls = dict.fromkeys(
+        ("max_tokens", "n", "stream", "top_p", "echo", "frequency_penalty", "presence_penalty")
+    )
+    body = {"model": model, "prompt": "hi", "ignore_eos": True, "temperature": 0, **nulls}
     r = httpx.post(f"{server.url}/v1/completions", json=body)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 16
+    assert len(r.json()["choices"]) == 1 and not r.json()["choices"][0]["text"].startswith("hi")
 
 
 def test_disconnect_mid_stream_frees_kv(server, model):

@@ -107,16 +107,16 @@ class _OpenAIRequest(_Strict):
     }
 
     model: str
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1, le=64)
-    stream: bool = False
+    temperature: float | None = Field(1.0, ge=0.0, le=2.0)
+    top_p: float | None = Field(1.0, gt=0.0, le=1.0)
+    n: int | None = Field(1, ge=1, le=64)
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: Stop = None
     seed: Int64 | None = None
     sampling_seed: Int64 | None = None  # SGLang's name for seed
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
     logit_bias: LogitBias | None = None
     min_tokens: int = Field(0, ge=0, le=INT64_MAX)
@@ -130,8 +130,21 @@ class _OpenAIRequest(_Strict):
     data_parallel_rank: int | None = Field(None, ge=0, le=INT64_MAX)
     user: str | None = None  # no effect
 
+    # Fields OpenAI documents as nullable with a default: null means that default.
+    NULL_IS_DEFAULT: ClassVar[tuple[str, ...]] = (
+        "temperature",
+        "top_p",
+        "n",
+        "stream",
+        "frequency_penalty",
+        "presence_penalty",
+    )
+
     @model_validator(mode="after")
     def _check(self):
+        for name in self.NULL_IS_DEFAULT:
+            if getattr(self, name) is None:
+                setattr(self, name, type(self).model_fields[name].default)
         if self.top_k == 0:
             raise ValueError("top_k must be -1 or >= 1, got 0")
         if None not in (self.seed, self.sampling_seed) and self.seed != self.sampling_seed:
@@ -181,11 +194,12 @@ class CompletionRequest(_OpenAIRequest):
         "suffix": (None, ""),
         "json_schema": (None,),
     }
+    NULL_IS_DEFAULT: ClassVar[tuple[str, ...]] = (*_OpenAIRequest.NULL_IS_DEFAULT, "max_tokens", "echo")
 
     prompt: Prompt | TokenIds | Batch[Prompt] | Batch[TokenIds]
-    max_tokens: Count | None = 16  # null: OpenAI's default, 16
+    max_tokens: Count | None = 16
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    echo: bool = False
+    echo: bool | None = False
     rid: str | list[str] | None = None  # no effect: dpserve names requests itself
 
     @model_validator(mode="after")
@@ -200,7 +214,7 @@ class CompletionRequest(_OpenAIRequest):
 
     @property
     def max_new_tokens(self) -> int:
-        return 16 if self.max_tokens is None else self.max_tokens
+        return self.max_tokens
 
 
 class TextPart(_Strict):
@@ -236,10 +250,12 @@ class ChatCompletionRequest(_OpenAIRequest):
         "verbosity": (None,),
     }
 
+    NULL_IS_DEFAULT: ClassVar[tuple[str, ...]] = (*_OpenAIRequest.NULL_IS_DEFAULT, "logprobs")
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Count | None = None  # null: up to the context length (OpenAI's default)
     max_completion_tokens: Count | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
