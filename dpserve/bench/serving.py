@@ -13,8 +13,8 @@ Workloads (``--dataset-name``):
                              where speculative n-gram drafts are right most of the time)
     chat                     chat prompts asking for a short story on a topic (plain generation)
 
-``--baseline transformers`` then generates the same prompts and output lengths with transformers on the
-CPU and prints dpserve's output throughput over transformers'. ``--offline-engine`` runs them through
+``--baseline transformers`` then generates the same prompts and output lengths with transformers (on
+``--baseline-device``) and prints dpserve's output throughput over transformers'. ``--offline-engine`` runs them through
 dpserve's offline Engine with the served instance's options, so the report shows what the HTTP path
 costs (served over offline output throughput).
 
@@ -410,8 +410,8 @@ def transformers_generate(
             attention_mask[row, width - len(r.prompt) :] = 1
         new_tokens = max(r.output_len for r in batch)
         sequences = model.generate(
-            input_ids,
-            attention_mask=attention_mask,
+            input_ids.to(model.device),
+            attention_mask=attention_mask.to(model.device),
             do_sample=False,
             max_new_tokens=new_tokens,
             min_new_tokens=new_tokens,
@@ -429,13 +429,14 @@ def run_transformers_baseline(
     pad_id: int,
     disable_tqdm: bool,
     dtype: str = "float32",
+    device: str = "cpu",
 ) -> dict[str, Any]:
-    """Time transformers (CPU) on the benchmark's requests; throughput counts requested tokens only."""
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).eval()
+    """Time transformers on the benchmark's requests; throughput counts requested tokens only."""
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(device).eval()
     transformers_generate(model, [RequestInput(requests[0].prompt, 2)], 1, pad_id, True)  # warm-up
     start = time.perf_counter()
     outputs = transformers_generate(model, requests, batch_size, pad_id, disable_tqdm)
-    duration = time.perf_counter() - start
+    duration = time.perf_counter() - start  # transformers_generate's .tolist() waits for the device
     short = [i for i, (o, r) in enumerate(zip(outputs, requests, strict=True)) if len(o) != r.output_len]
     if short:
         raise RuntimeError(f"transformers generated fewer tokens than requested for requests {short}")
@@ -444,6 +445,7 @@ def run_transformers_baseline(
     return {
         "backend": "transformers",
         "dtype": dtype,
+        "device": device,
         "batch_size": batch_size,
         "torch_threads": torch.get_num_threads(),
         "duration": duration,
@@ -543,7 +545,10 @@ def report(r: dict[str, Any]) -> str:
         add("Output throughput served/offline", fmt(r["served_over_offline"]))
     if "baseline" in r:
         b = r["baseline"]
-        section(f"transformers baseline ({b.get('dtype', 'float32')}, batch {b['batch_size']})")
+        section(
+            f"transformers baseline ({b.get('dtype', 'float32')} on {b.get('device', 'cpu')}, "
+            f"batch {b['batch_size']})"
+        )
         add("Duration (s)", fmt(b["duration"]))
         add("Output token throughput (tok/s)", fmt(b["output_throughput"]))
         add("Total token throughput (tok/s)", fmt(b["total_throughput"]))
@@ -681,7 +686,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=("transformers",),
         default=None,
         help="after the server run, generate the same prompts and output lengths with transformers "
-        "(CPU, greedy, left-padded batches) and report dpserve's output throughput over its own",
+        "(greedy, left-padded batches, on --baseline-device) and report dpserve's output throughput over its own",
     )
     p.add_argument(
         "--offline-engine",
@@ -694,6 +699,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=("float32", "bfloat16"),
         default="float32",
         help="dtype transformers runs in (compare at the server's --dtype)",
+    )
+    p.add_argument(
+        "--baseline-device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="device transformers runs on (compare on the server's device)",
     )
     p.add_argument(
         "--baseline-batch-size",
@@ -845,7 +856,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         batch_size = args.baseline_batch_size or args.max_concurrency or 16
         pad_id = next(i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if i is not None)
         result["baseline"] = run_transformers_baseline(
-            args.model_path, requests, batch_size, pad_id, args.disable_tqdm, args.baseline_dtype
+            args.model_path,
+            requests,
+            batch_size,
+            pad_id,
+            args.disable_tqdm,
+            args.baseline_dtype,
+            args.baseline_device,
         )
         if "output_throughput" in result:
             result["output_throughput_ratio"] = (

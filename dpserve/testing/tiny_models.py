@@ -23,6 +23,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
     DeepseekV2Config,
     DeepseekV2ForCausalLM,
     DeepseekV3Config,
@@ -219,6 +221,36 @@ def write_tiny_model(
     return out
 
 
+def write_random_model(
+    config: str, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16, seed: int = 0
+) -> Path:
+    """Write a random checkpoint with a real model's architecture (a bundled planner config such as
+    ``smollm2-135m``, or a directory holding config.json) and the tiny tokenizer, whose ids the
+    model's vocabulary covers: for throughput and memory figures, which do not depend on the weights'
+    values, where the real weights are out of reach (no network)."""
+    from dpserve.plan.model import resolve
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    build_tokenizer(out)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(out))
+    hf_config = AutoConfig.from_pretrained(resolve(config))
+    if hf_config.vocab_size < len(tokenizer):
+        raise ValueError(f"{config}: vocabulary {hf_config.vocab_size} < the tokenizer's {len(tokenizer)}")
+    special_ids = dict(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    for key, value in special_ids.items():
+        setattr(hf_config, key, value)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype).eval()
+    model.generation_config = GenerationConfig(**special_ids)
+    model.save_pretrained(str(out))
+    return out
+
+
 def _randomize_norms_and_biases(state: dict[str, torch.Tensor], generator: torch.Generator) -> None:
     for name, tensor in state.items():  # detached views of the parameters and buffers
         if name.endswith("norm.weight"):
@@ -332,7 +364,13 @@ def add_mtp_layer(model_dir: str | Path, tensors: dict[str, torch.Tensor]) -> No
 def main() -> None:
     """Command-line entry point."""
     parser = argparse.ArgumentParser(description="Write a tiny random Hugging Face checkpoint.")
-    parser.add_argument("--arch", required=True, choices=ARCHS, help="model architecture to write")
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--arch", choices=ARCHS, help="tiny model architecture to write (float32)")
+    which.add_argument(
+        "--config",
+        help="instead, a real architecture at full size with random bfloat16 weights: a bundled planner "
+        "config (e.g. smollm2-135m) or a directory holding config.json",
+    )
     parser.add_argument("--out", required=True, help="output directory (created if missing)")
     parser.add_argument("--seed", type=int, default=0, help="torch seed for the random weights (default 0)")
     parser.add_argument(
@@ -342,6 +380,9 @@ def main() -> None:
     )
     parser.add_argument("--mtp", action="store_true", help="add an MTP (NextN) layer (deepseek_v3 only)")
     args = parser.parse_args()
+    if args.config:
+        print(write_random_model(args.config, args.out, seed=args.seed))
+        return
     print(write_tiny_model(args.arch, args.out, seed=args.seed, shard_size=args.max_shard_size, mtp=args.mtp))
 
 

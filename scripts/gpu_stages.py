@@ -1,0 +1,413 @@
+"""The stages of scripts/gpu_check.py, cheapest first. Each runs in its own process, on the GPU
+(`Scale.gpu`: DeepSeek-V3's per-rank shapes, bfloat16 where that is what serving runs) or as its
+CPU variant (`Scale.cpu`: tiny shapes, Triton's interpreter, gloo), which the test suite runs so
+that the script cannot rot between GPU runs. A stage returns its figures (one line) and raises
+`StageFailed` with them when a check fails; its progress goes to stdout as it runs."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
+KV_TOKENS = 8192  # every engine's KV pool: enough for the stage, nothing like the whole GPU
+
+
+class StageFailed(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class Scale:
+    device: str
+    mla_heads: tuple[int, ...]  # query heads per latent (attention TP 1 of V2-Lite, V2, V3)
+    decode_lens: tuple[int, ...]
+    extend_lens: tuple[tuple[int, int], ...]  # (KV tokens, new tokens) per request
+    moe: tuple[tuple[str, int, int], ...]  # (label, experts, intermediate rows) per rank
+    hidden: int
+    moe_rows: int
+    kernel_dtype: torch.dtype
+    batch: int  # the large decode batch of the engine stages
+    served: str  # model of the serving and one_batch stages: bundled config name or tiny arch
+    min_served_ratio: float  # dpserve's served throughput over transformers' at least
+
+    @property
+    def tol(self) -> float:
+        return 3e-2 if self.kernel_dtype == torch.bfloat16 else 2e-3
+
+
+GPU = Scale(
+    "cuda",
+    (16, 40, 128),
+    (700, 37, 4096, 5, 16384),
+    ((2048, 2048), (600, 100), (129, 1)),
+    (("EP16", 16, 2048), ("TP16", 256, 128)),  # V3 over 16 ranks: 16 whole experts, or 256 of 128 rows
+    7168,
+    512,
+    torch.bfloat16,
+    64,
+    "smollm2-135m",
+    1.0,
+)
+CPU = Scale(
+    "cpu",
+    (16, 40),
+    (37, 5, 70),
+    ((24, 24), (30, 9), (9, 1)),
+    (("EP", 8, 64), ("TP", 32, 16)),
+    128,
+    16,
+    torch.float32,
+    8,
+    "llama",
+    0.0,  # tiny models on two cores: the ratio is printed, not judged
+)
+
+
+def expect(ok: bool, failures: list[str], what: str) -> None:
+    if not ok:
+        failures.append(what)
+
+
+def finish(failures: list[str], figures: list[str]) -> str:
+    line = "; ".join(figures)
+    if failures:
+        raise StageFailed(f"{', '.join(failures)} | {line}")
+    return line
+
+
+def log(text: str) -> None:
+    print(f"    {text}", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------- startup
+
+
+def startup(scale: Scale) -> str:
+    """The GPUs this process sees, the versions, and the fork server's preload leaving CUDA alone."""
+    import transformers
+
+    from dpserve.engine.worker_pool import FORKSERVER_PRELOAD
+
+    probe = f"import importlib, torch\nfor m in {FORKSERVER_PRELOAD!r}: importlib.import_module(m)\n"
+    probe += "print(torch.cuda.is_initialized())"
+    preload = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    figures = [f"torch {torch.__version__}, transformers {transformers.__version__}"]
+    failures: list[str] = []
+    if scale.device == "cuda":
+        import triton
+
+        n = torch.cuda.device_count()
+        figures.append(f"{n} x {torch.cuda.get_device_name()}, triton {triton.__version__}")
+        expect(n > 0, failures, "no GPU visible")
+    expect(preload.stdout.strip() == "False", failures, f"the preload initialised CUDA: {preload.stdout}")
+    figures.append("fork-server preload leaves CUDA uninitialised")
+    return finish(failures, figures)
+
+
+# ---------------------------------------------------------------------------------------------- kernels
+
+
+def attention_meta(seq_lens: list[int], q_lens: list[int], device: str):
+    from dpserve.attention.backend import AttentionMetadata
+
+    slots = torch.randperm(sum(seq_lens)) + 1  # slot 0: padding
+    table = torch.zeros(len(seq_lens) + 1, max(seq_lens), dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(seq_lens):
+        table[b + 1, :n] = slots[used : used + n]
+        used += n
+    meta = AttentionMetadata(
+        req_to_token=table.to(device),
+        req_idx=torch.arange(1, len(seq_lens) + 1, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        q_start=torch.tensor([0, *q_lens], device=device).cumsum(0).to(torch.int32),
+        num_tokens=sum(q_lens),
+        max_q_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+        q_lens_host=list(q_lens),
+        seq_lens_host=list(seq_lens),
+    )
+    return meta, sum(seq_lens) + 1
+
+
+def attention_error(kind: str, meta, slots: int, scale: Scale) -> float:
+    """Triton's output against the sdpa backend's on the same inputs (max abs error)."""
+    from dpserve.attention.backend import AttentionMetadata
+    from dpserve.attention.sdpa import SdpaBackend
+    from dpserve.attention.triton_backend import TritonBackend
+
+    dev, dtype = scale.device, scale.kernel_dtype
+    if kind == "gqa":
+        q = torch.randn(meta.num_tokens, 32, 128, device=dev, dtype=dtype)
+        k, v = (torch.randn(slots, 8, 128, device=dev, dtype=dtype) for _ in range(2))
+    else:
+        q = torch.randn(meta.num_tokens, int(kind), 576, device=dev, dtype=dtype)
+        cache = torch.randn(slots, 576, device=dev, dtype=dtype)
+    outs = []
+    for backend in (SdpaBackend(), TritonBackend()):
+        m = AttentionMetadata(**{**meta.__dict__, "state": {}})
+        backend.prepare(m)
+        out = backend.gqa(q, k, v, m, 0.088) if kind == "gqa" else backend.mla(q, cache, m, 576**-0.5, 512)
+        outs.append(out.float())
+    return (outs[0] - outs[1]).abs().max().item()
+
+
+def kernels(scale: Scale) -> str:
+    """Triton attention (MLA 512+64 at every heads-per-latent of the DeepSeek family, GQA; decode
+    and extend) and the fused MoE (per-rank expert shapes of V3) against the torch paths."""
+    from dpserve.layers.fused_moe import fused_experts
+    from dpserve.layers.mlp import experts_loop
+
+    torch.manual_seed(0)
+    dev, failures, figures = scale.device, [], []
+    decode = list(scale.decode_lens), [1] * len(scale.decode_lens)
+    extend = [s for s, _ in scale.extend_lens], [q for _, q in scale.extend_lens]
+    for step, (seq_lens, q_lens) in (("decode", decode), ("extend", extend)):
+        meta, slots = attention_meta(seq_lens, q_lens, dev)
+        errors = {k: attention_error(k, meta, slots, scale) for k in (*map(str, scale.mla_heads), "gqa")}
+        worst = max(errors.values())
+        expect(worst < scale.tol, failures, f"{step} attention error {worst:.2e}")
+        figures.append(f"{step} " + " ".join(f"{k}:{e:.1e}" for k, e in errors.items()))
+        log(figures[-1])
+    hidden, rows, top_k = scale.hidden, scale.moe_rows, 8
+    for label, experts, inter in scale.moe:
+        x = torch.randn(rows, hidden, device=dev, dtype=scale.kernel_dtype)
+        w13 = torch.randn(experts, 2 * inter, hidden, device=dev, dtype=x.dtype) / hidden**0.5
+        w2 = torch.randn(experts, hidden, inter, device=dev, dtype=x.dtype) / inter**0.5
+        weights = torch.rand(rows, top_k, device=dev)
+        # Of 256 experts, those of other ranks fall outside [0, experts) and are skipped (EP).
+        ids = torch.stack([torch.randperm(max(256, experts), device=dev)[:top_k] for _ in range(rows)])
+        ids = torch.where(ids < experts, ids, -1)
+        ref = experts_loop(x.float(), w13.float(), w2.float(), weights, ids)
+        err = ((fused_experts(x, w13, w2, weights, ids).float() - ref).abs().max() / ref.abs().max()).item()
+        expect(err < scale.tol, failures, f"fused MoE {label} error {err:.2e}")
+        figures.append(f"MoE {label} {experts}x{inter}: {err:.1e}")
+        log(figures[-1])
+    return finish(failures, figures)
+
+
+# ---------------------------------------------------------------------------------------------- engines
+
+
+def tiny_model(arch: str, tmp: str) -> str:
+    from dpserve.testing.tiny_models import write_tiny_model
+
+    return str(write_tiny_model(arch, Path(tmp) / arch))
+
+
+def prompts(n: int, length: int = 24) -> list[list[int]]:
+    return [[3 + (7 * b + 3 * i) % 290 for i in range(length + 5 * b % 17)] for b in range(n)]
+
+
+def run(engine, batch: int, new_tokens: int = 16) -> tuple[list[list[int]], float, list]:
+    """Greedy outputs of `batch` requests, the median full-batch decode step, the step log."""
+    engine.get_step_log()
+    out = engine.generate(input_ids=prompts(batch), sampling_params={**GREEDY, "max_new_tokens": new_tokens})
+    steps = engine.get_step_log()[0]
+    full = [s.seconds for s in steps if s.kind == "decode" and s.real_rows == batch] or [float("nan")]
+    return [o["output_ids"] for o in out], statistics.median(full), steps
+
+
+def compare(scale: Scale, path: str, variants: dict[str, dict], common: dict, batch: int = 0) -> str:
+    """Every variant's greedy outputs (batch 1 and the large batch) against the first variant's."""
+    from dpserve import Engine
+
+    batch = batch or scale.batch
+    outputs, figures = {}, []
+    for label, kwargs in variants.items():
+        start = time.perf_counter()
+        options = {"device": scale.device, "max_total_tokens": KV_TOKENS, **common, **kwargs}
+        with Engine(model_path=path, **options) as engine:
+            started = time.perf_counter() - start
+            one, one_s, _ = run(engine, 1)
+            many, many_s, steps = run(engine, batch)
+        padded = sum(s.padded for s in steps if s.kind == "decode")
+        outputs[label] = one + many
+        figures.append(
+            f"{label}: start {started:.1f} s, step {one_s * 1e3:.2f}/{many_s * 1e3:.2f} ms "
+            f"(bs 1/{batch}), {padded} padded"
+        )
+        log(figures[-1])
+    first = next(iter(outputs))
+    differ = [label for label, out in outputs.items() if out != outputs[first]]
+    return finish([f"{', '.join(differ)} differ from {first}"] if differ else [], figures)
+
+
+def graphs(scale: Scale) -> str:
+    """Tiny DeepSeek-V3 at tp 1: decode graphs (padded steps on the CPU) in every padding mode give
+    the eager engine's greedy tokens."""
+    variants = {"eager": {"disable_cuda_graph": True}}
+    variants |= {mode: {"dp_padding_mode": mode} for mode in ("sum_len", "max_len", "auto")}
+    with tempfile.TemporaryDirectory() as tmp:
+        common = {"tp_size": 1, "dtype": "float32", "cuda_graph_max_bs": 16}
+        return compare(scale, tiny_model("deepseek_v3", tmp), variants, common)
+
+
+def compile_stage(scale: Scale) -> str:
+    """torch.compile'd decode buckets (captured after compiling on the GPU) against eager steps."""
+    variants = {"eager": {"disable_cuda_graph": True}, "compiled": {"enable_torch_compile": True}}
+    batch = min(scale.batch, 8)  # two buckets to compile: the check is the capture, not the size
+    with tempfile.TemporaryDirectory() as tmp:
+        common = {
+            "tp_size": 1,
+            "dtype": "float32",
+            "cuda_graph_bs": [1, batch],
+            "torch_compile_max_bs": batch,
+        }
+        return compare(scale, tiny_model("deepseek_v3", tmp), variants, common, batch)
+
+
+def nextn(scale: Scale) -> str:
+    """NEXTN drafts from an (untrained) MTP layer: greedy outputs identical to no speculation."""
+    variants = {"plain": {}} | {
+        f"NEXTN {n}": {"speculative_algorithm": "NEXTN", "speculative_num_steps": n} for n in (1, 2)
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        common = {"tp_size": 1, "dtype": "float32", "cuda_graph_max_bs": 16}
+        return compare(scale, tiny_model("deepseek_v3_mtp", tmp), variants, common)
+
+
+def served_model(scale: Scale, tmp: str) -> str:
+    from dpserve.testing.tiny_models import write_random_model
+
+    if scale.served in ("llama", "deepseek_v3"):
+        return tiny_model(scale.served, tmp)
+    # Random weights with the real architecture: throughput does not depend on the values.
+    return str(write_random_model(scale.served, Path(tmp) / scale.served, dtype=torch.bfloat16))
+
+
+def serving(scale: Scale) -> str:
+    """The HTTP server against transformers' generate on the same device, same prompts and lengths."""
+    from dpserve.bench import serving as bench
+    from dpserve.testing.server import ServerProcess
+
+    dtype = "bfloat16" if scale.device == "cuda" else "float32"
+    prompts_n = 4 * scale.batch
+    with tempfile.TemporaryDirectory() as tmp:
+        path = served_model(scale, tmp)
+        server_args = ["--model-path", path, "--tp", "1", "--dtype", dtype, "--device", scale.device]
+        server_args += ["--max-total-tokens", str(KV_TOKENS * 4), "--cuda-graph-max-bs", str(scale.batch)]
+        with ServerProcess(*server_args) as server:
+            bench.main(
+                [
+                    *("--base-url", server.url, "--model-path", path, "--num-prompts", str(prompts_n)),
+                    *("--random-input-len", "128", "--random-output-len", "64", "--seed", "0"),
+                    *("--max-concurrency", str(scale.batch), "--baseline", "transformers"),
+                    *("--baseline-dtype", dtype, "--baseline-device", scale.device),
+                    *("--output-file", f"{tmp}/result.json", "--disable-tqdm"),
+                ]
+            )
+        r = json.loads(Path(f"{tmp}/result.json").read_text().splitlines()[-1])
+    ratio, completed = r["output_throughput_ratio"], r["completed"]
+    figures = [
+        f"{scale.served}: {r['output_throughput']:.0f} vs transformers "
+        f"{r['baseline']['output_throughput']:.0f} output tok/s ({ratio:.2f}x), "
+        f"{completed}/{prompts_n} requests, TTFT p50 {r['median_ttft_ms']:.0f} ms"
+    ]
+    failures = []
+    expect(completed == prompts_n, failures, f"{prompts_n - completed} requests failed")
+    expect(ratio >= scale.min_served_ratio, failures, f"slower than transformers ({ratio:.2f}x)")
+    return finish(failures, figures)
+
+
+def one_batch(scale: Scale) -> str:
+    """bench.one_batch at tp 1, batch 1 and the large batch: decode steps against the measured floor."""
+    from dpserve.bench import one_batch as bench
+
+    dtype = "bfloat16" if scale.device == "cuda" else "float32"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = served_model(scale, tmp)
+        bench.main(
+            [
+                *("--model-path", path, "--tp", "1", "--dtype", dtype, "--device", scale.device),
+                *("--batch-size", "1", str(scale.batch), "--input-len", "256", "--output-len", "16"),
+                *("--max-total-tokens", str(KV_TOKENS * 4), "--result-file", f"{tmp}/r.jsonl"),
+            ]
+        )
+        results = [json.loads(line) for line in Path(f"{tmp}/r.jsonl").read_text().splitlines()]
+    figures = [
+        f"bs {r['batch_size']}: {r['median_decode_latency'] * 1e3:.2f} ms/step, "
+        f"{r['median_decode_latency'] / r['floor_latency']:.1f}x the floor {r['floor_latency'] * 1e3:.3f} ms"
+        for r in results
+    ]
+    return finish([], figures)
+
+
+# ---------------------------------------------------------------------------------------- two GPUs+
+
+DP_ATTENTION = {"tp_size": 2, "dp_size": 2, "enable_dp_attention": True, "dtype": "float32"}
+
+
+def tp2_dp2(scale: Scale) -> str:
+    """tp=2 dp=2 DP attention: decode graphs over NCCL (gloo on the CPU) against eager steps."""
+    variants = {"eager": {"disable_cuda_graph": True}, "graphs": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        common = DP_ATTENTION | {"cuda_graph_max_bs": 16}
+        return compare(scale, tiny_model("deepseek_v2", tmp), variants, common)
+
+
+def padding(scale: Scale) -> str:
+    """bench.padding at (2, 2): sum_len, max_len and auto at batch 1 and the large batch."""
+    import argparse
+
+    from dpserve.bench import padding as bench
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = tiny_model("deepseek_v2_mid" if scale.device == "cuda" else "deepseek_v2", tmp)
+        args = bench.parse_args(["--layouts", "2,2", "--batch-sizes", "1", str(scale.batch)])
+        args = argparse.Namespace(**{**vars(args), "device": scale.device, "rounds": 1, "decode_steps": 6})
+        results = bench.sweep(args, model)
+    bench.add_ratios(results)
+    print(bench.table(results), flush=True)
+    figures = [
+        f"bs {r['batch']} {r['spread']}: {r['latency_ms']:.2f} ms, {r['ratio_vs_best_fixed']:.2f}x best fixed"
+        for r in results
+        if r["mode"] == "auto"
+    ]
+    unpadded = [r for r in results if r["padded_steps"] < r["steps"]]
+    return finish([f"{len(unpadded)} points ran unpadded steps"] if unpadded else [], figures)
+
+
+def expert_parallel(scale: Scale) -> str:
+    """TP MoE, EP with `none` and with `all_to_all` dispatch (its fixed-capacity exchange inside the
+    decode graphs) at (2, 2) on the tiny DeepSeek-V3: the same greedy tokens."""
+    variants = {
+        "TP MoE": {},
+        "EP none": {"ep_size": 2},
+        "EP all_to_all": {"ep_size": 2, "moe_a2a_backend": "all_to_all"},
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        common = DP_ATTENTION | {"cuda_graph_max_bs": 16, "dp_padding_mode": "sum_len"}
+        return compare(scale, tiny_model("deepseek_v3", tmp), variants, common)
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    run: Callable[[Scale], str]
+    timeout_s: int  # on the GPU, start-up included (one GPU: 290 s in all); the CPU variants get more
+    gpus: int = 1
+
+
+STAGES = (
+    Stage("startup", startup, 20),
+    Stage("kernels", kernels, 45),
+    Stage("graphs", graphs, 40),
+    Stage("compile", compile_stage, 60),
+    Stage("nextn", nextn, 35),
+    Stage("serving", serving, 50),
+    Stage("one_batch", one_batch, 40),
+    Stage("tp2_dp2", tp2_dp2, 45, gpus=2),
+    Stage("padding", padding, 60, gpus=2),
+    Stage("expert_parallel", expert_parallel, 60, gpus=2),
+)

@@ -1,0 +1,49 @@
+"""scripts/gpu_check.sh cannot rot between GPU runs: every stage's CPU variant (tiny shapes, Triton's
+interpreter, gloo) passes here, and without a GPU the script skips every stage, saying why, and
+exits 0 in seconds."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+from gpu_stages import STAGES  # noqa: E402
+
+
+def gpu_check(*args: str, timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def verdicts(output: str) -> dict[str, str]:
+    """Each stage's verdict line: `PASS|FAIL|SKIP name: figures`."""
+    return {name: status for status, name in re.findall(r"^(PASS|FAIL|SKIP) (\w+): ", output, re.M)}
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU runs the stages themselves")
+def test_without_a_gpu_every_stage_is_skipped_in_seconds():
+    run = gpu_check(timeout=60)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert verdicts(run.stdout) == {s.name: "SKIP" for s in STAGES}
+    assert "no CUDA device here" in run.stdout
+    assert re.search(
+        rf"^GPU CHECK PASS: 0 passed, 0 failed, {len(STAGES)} skipped in \d+ s$", run.stdout, re.M
+    )
+
+
+def test_every_stage_passes_its_cpu_variant(engine_cache):
+    engine_cache.close()  # two cores: the stages start their own engines
+    run = gpu_check("--device", "cpu", timeout=540)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
+    assert verdicts(run.stdout) == {s.name: "PASS" for s in STAGES}, run.stdout[-6000:]
+    assert f"GPU CHECK PASS: {len(STAGES)} passed, 0 failed, 0 skipped" in run.stdout
