@@ -22,6 +22,7 @@ LOAD_BALANCE_METHODS = ("cache_aware", "minimum_tokens", "shortest_queue", "roun
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 LOG_LEVELS = ("debug", "info", "warning", "error")
 SPEC_OPTIONS = ("speculative_num_steps", "speculative_num_draft_tokens")
+DEFAULT_RUNNING_PER_GROUP = 256  # without --max-running-requests
 
 
 def option(
@@ -150,7 +151,13 @@ class EngineConfig:
         "prefill of --chunked-prefill-size tokens, measured at start-up; all ranks then take the "
         "smallest pool. Lower it if other processes share the GPU or start-up runs out of memory",
     )
-    max_running_requests: int = option(256, "running requests per DP group", positive=True)
+    max_running_requests: int | None = option(
+        None,
+        "requests running at once, with SGLang's meaning: with --enable-dp-attention for the whole "
+        "instance, divided evenly among the dp groups; for each replica otherwise (default: "
+        f"{DEFAULT_RUNNING_PER_GROUP} per DP group)",
+        positive=True,
+    )
     chunked_prefill_size: int = option(
         2048,
         "prompt tokens prefilled per step, per DP group (the MoE sees up to dp times this)",
@@ -293,6 +300,11 @@ class EngineConfig:
             raise ValueError(
                 f"watchdog_timeout ({self.watchdog_timeout}) and dist_timeout ({self.dist_timeout}) must be > 0"
             )
+        if self.enable_dp_attention and (self.max_running_requests or self.dp_size) < self.dp_size:
+            raise ValueError(
+                f"max_running_requests={self.max_running_requests} is divided among the dp_size={self.dp_size} "
+                f"DP groups (as SGLang does): give at least {self.dp_size}"
+            )
         if self.cuda_graph_bs is not None:
             self.cuda_graph_bs = sorted(set(self.cuda_graph_bs))
             if not self.cuda_graph_bs:
@@ -381,6 +393,14 @@ class EngineConfig:
     @property
     def ranks_per_node(self) -> int:
         return self.world_size // self.nnodes
+
+    @property
+    def running_per_group(self) -> int:
+        """Requests one DP group's scheduler runs at once (SGLang divides --max-running-requests among
+        the groups of DP attention)."""
+        if self.max_running_requests is None:
+            return DEFAULT_RUNNING_PER_GROUP
+        return self.max_running_requests // (self.dp_size if self.enable_dp_attention else 1)
 
     @property
     def attn_tp_size(self) -> int:

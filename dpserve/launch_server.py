@@ -49,8 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-queued-requests",
         type=positive_int,
         default=None,
-        help="generation requests the server holds at once (waiting or running); beyond it a new one gets "
-        "503 with Retry-After and those admitted are untouched (default: unbounded)",
+        help="generation requests waiting to run, as SGLang counts them (those in flight beyond "
+        "--max-running-requests per DP group, or reported waiting); beyond it a new one gets 503 with "
+        "Retry-After and those admitted are untouched (default: unbounded)",
     )
     srv.add_argument(
         "--graceful-shutdown-timeout",
@@ -151,7 +152,7 @@ def serve(
     async def drain() -> None:
         if not await admission.drained(grace_s):
             logger.warning("%d request(s) still in flight after %g s: aborted", admission.in_flight, grace_s)
-        tm.abort_all("the server is shutting down")
+        tm.abort_all(f"the server is shutting down (--graceful-shutdown-timeout {grace_s:g} s ran out)")
         server.should_exit = True
 
     host, port = sock.getsockname()[:2]

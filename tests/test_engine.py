@@ -171,6 +171,22 @@ def test_a_request_left_nothing_to_sample_fails_alone(engine_cache, model_dirs, 
     assert engine.get_metrics()[0]["kv_used"] == 0
 
 
+def test_an_aborted_request_leaves_nothing_of_its_call_behind(engine_cache, model_dirs, prompts):
+    """One request of a generate call fails (nothing to sample): the call raises naming it, the
+    others are aborted and waited for, and nothing stays in the front end or the KV pool."""
+    engine = engine_cache.get(model_dirs["llama"], tp_size=1, dp_size=1, kv_cache_memory_gb=KV_BUDGET_GB)
+    hostile = {
+        "max_new_tokens": 8,
+        "min_new_tokens": 4,
+        "stop_token_ids": list(range(engine.model_cfg.vocab_size)),
+    }
+    long = {**GREEDY, "max_new_tokens": 64}
+    with pytest.raises(ValueError, match="^request 1: no token can be sampled"):
+        engine.generate(input_ids=prompts[:4], sampling_params=[long, hostile, long, long])
+    assert engine.front.requests == {} and engine._params == {}
+    assert engine.get_metrics()[0]["kv_used"] == 0 and engine.get_metrics()[0]["running"] == 0
+
+
 def test_text_prompt(engine_cache, model_dirs):
     engine = engine_cache.get(model_dirs["llama"], tp_size=1, dp_size=1, kv_cache_memory_gb=KV_BUDGET_GB)
     out = engine.generate(

@@ -15,7 +15,7 @@ import time
 
 import httpx
 import pytest
-from openai import OpenAI
+from openai import APIError, OpenAI
 
 from dpserve import Engine
 from dpserve.engine.worker_pool import Watchdog, WorkerFailure
@@ -66,7 +66,8 @@ def test_watchdog_tells_silent_from_busy():
 @pytest.fixture(scope="module")
 def guarded(model, engine_cache):
     engine_cache.close()  # two cores: no idle engine's ranks beside the server
-    args = ["--api-key", KEY, "--max-request-bytes", str(BODY_LIMIT), "--max-queued-requests", "2"]
+    args = ["--api-key", KEY, "--max-request-bytes", str(BODY_LIMIT), "--max-queued-requests", "1"]
+    args += ["--max-running-requests", "2"]  # SGLang's meaning: the instance's, one per DP group
     args += ["--graceful-shutdown-timeout", "120", "--log-level", "info"]
     with ServerProcess(*layout(model), *args) as srv:
         yield srv
@@ -128,37 +129,57 @@ def open_stream(stack: contextlib.ExitStack, url: str, body: dict):
     return next(line for line in lines if line.startswith("data: ")), lines
 
 
-def test_queue_limit_sheds_the_third(guarded, model):
+def test_queue_limit_counts_waiting_requests_as_sglang_does(guarded, model):
+    """--max-running-requests 2 --max-queued-requests 1 at dp=2: each group runs one request, one more
+    may wait, and the rest are shed with 503 + Retry-After; the admitted ones finish whole."""
     slow = {"model": model, "prompt": "a story", "max_tokens": SLOW, "ignore_eos": True, "stream": True}
     slow |= {"stream_options": {"include_usage": True}}
     native = {"input_ids": [7, 8, 9, 10], "sampling_params": {"max_new_tokens": SLOW, "temperature": 0.0}}
     native["sampling_params"]["ignore_eos"] = True
+    waited: dict = {}
+
+    def wait_in_group_0() -> None:
+        body = {**native, "data_parallel_rank": 0}
+        waited["r"] = httpx.post(f"{guarded.url}/generate", json=body, headers=AUTH, timeout=300)
+
+    waiter = threading.Thread(target=wait_in_group_0)
     with contextlib.ExitStack() as stack:
-        _, first_lines = open_stream(stack, f"{guarded.url}/v1/completions", slow)
-        second_first, second_lines = open_stream(stack, f"{guarded.url}/generate", {**native, "stream": True})
-        shed = [httpx.post(f"{guarded.url}/v1/completions", json=slow, headers=AUTH) for _ in range(2)]
+        _, first_lines = open_stream(
+            stack, f"{guarded.url}/v1/completions", {**slow, "data_parallel_rank": 0}
+        )
+        second_first, second_lines = open_stream(
+            stack, f"{guarded.url}/generate", {**native, "stream": True, "data_parallel_rank": 1}
+        )
+        waiter.start()  # behind the first, in group 0
+        deadline = time.monotonic() + 60
+        while httpx.get(f"{guarded.url}/get_server_info", headers=AUTH).json()["requests_in_flight"] < 3:
+            assert time.monotonic() < deadline
+        shed = [httpx.post(f"{guarded.url}/v1/completions", json=slow, headers=AUTH) for _ in range(3)]
         info = httpx.get(f"{guarded.url}/get_server_info", headers=AUTH).json()
         metrics = httpx.get(f"{guarded.url}/metrics", headers=AUTH).text
         first_events = [json.loads(x.removeprefix("data: ")) for x in first_lines if x.startswith("data: {")]
         second_events = [second_first, *(x for x in second_lines if x.startswith("data: {"))]
+    waiter.join()
     for r in shed:
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
         assert r.json()["error"] == {
-            "message": "the server is overloaded: 2 requests in flight (--max-queued-requests 2); retry later",
+            "message": "the server is overloaded: 1 requests waiting (--max-queued-requests 1) beside 2 "
+            "running; retry later",
             "type": "service_unavailable",
             "code": 503,
         }
-    assert (info["requests_in_flight"], info["max_queued_requests"]) == (2, 2)
-    assert info["rejected_requests"]["overloaded"] == 2
-    assert 'dpserve_rejected_requests_total{reason="overloaded"} 2.0' in metrics
-    assert "dpserve_requests_in_flight 2.0" in metrics
+    assert (info["requests_in_flight"], info["requests_waiting"], info["max_queued_requests"]) == (3, 1, 1)
+    assert info["rejected_requests"]["overloaded"] == 3
+    assert 'dpserve_rejected_requests_total{reason="overloaded"} 3.0' in metrics
+    assert "dpserve_requests_in_flight 3.0" in metrics and "dpserve_requests_waiting 1.0" in metrics
     # The admitted ones finish whole: all their tokens, the same as the request run alone.
     assert first_events[-1]["usage"]["completion_tokens"] == SLOW
     assert first_events[-2]["choices"][0]["finish_reason"] == "length"
     streamed = json.loads(second_events[-1].removeprefix("data: "))
     alone = httpx.post(f"{guarded.url}/generate", json=native, headers=AUTH, timeout=300).json()
     assert streamed["meta_info"]["finish_reason"]["type"] == "length"
-    assert streamed["output_ids"] == alone["output_ids"] and len(alone["output_ids"]) == SLOW
+    assert streamed["output_ids"] == alone["output_ids"] == waited["r"].json()["output_ids"]
+    assert len(alone["output_ids"]) == SLOW
 
 
 def test_graceful_stop_finishes_the_request_in_flight(guarded, model):
@@ -200,7 +221,9 @@ def test_soak_loses_and_leaks_nothing(watched):
     assert "watchdog" not in watched.output  # 12 s of steps under a 5 s watchdog: never tripped
 
 
-def test_stopped_rank_gets_503_stacks_and_exit_1(watched):
+def test_stopped_rank_gets_503_stacks_and_exit_1(watched, model):
+    """A rank stopped mid-request: a plain request gets a 503 naming the rank; streamed ones (headers
+    sent with 200 already) end with an error event naming it, which the openai client raises."""
     pid = httpx.get(f"{watched.url}/get_server_info").json()["worker_pids"]["1"]
     body = {"input_ids": [5] * 10, "sampling_params": {"max_new_tokens": 480, "ignore_eos": True}}
     answer: dict = {}
@@ -208,17 +231,33 @@ def test_stopped_rank_gets_503_stacks_and_exit_1(watched):
     def request() -> None:
         answer["r"] = httpx.post(f"{watched.url}/generate", json=body, timeout=120)
 
-    thread = threading.Thread(target=request)
-    thread.start()
+    def native_stream() -> None:
+        with httpx.stream("POST", f"{watched.url}/generate", json={**body, "stream": True}, timeout=120) as r:
+            answer["native"] = [x.removeprefix("data: ") for x in r.iter_lines() if x.startswith("data: ")]
+
+    def openai_stream() -> None:
+        client = OpenAI(base_url=f"{watched.url}/v1", api_key="none", max_retries=0)
+        chunks = client.completions.create(
+            model=model, prompt="a story", max_tokens=480, stream=True, extra_body={"ignore_eos": True}
+        )
+        try:
+            answer["openai"] = [c.choices[0].finish_reason for c in chunks if c.choices]
+        except APIError as e:
+            answer["openai"] = e
+
+    threads = [threading.Thread(target=f) for f in (request, native_stream, openai_stream)]
+    for thread in threads:
+        thread.start()
     deadline = time.monotonic() + 60
-    while not any(g["num_reqs"] for g in httpx.get(f"{watched.url}/get_load").json()):  # in flight
+    while sum(g["num_reqs"] for g in httpx.get(f"{watched.url}/get_load").json()) < 3:  # all in flight
         assert time.monotonic() < deadline
     try:
         stopped = time.monotonic()
         os.kill(pid, signal.SIGSTOP)
         code = watched.wait(WATCHDOG_S + 30)
         detected = time.monotonic() - stopped
-        thread.join()
+        for thread in threads:
+            thread.join()
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
@@ -226,6 +265,12 @@ def test_stopped_rank_gets_503_stacks_and_exit_1(watched):
     r = answer["r"]
     assert r.status_code == 503
     assert "worker rank 1 is silent" in r.json()["error"]["message"]
+    *events, error, done = answer["native"]
+    assert json.loads(events[-1])["meta_info"]["finish_reason"]["type"] == "abort" and done == "[DONE]"
+    error = json.loads(error)["error"]
+    assert error["code"] == 503 and "worker rank 1 is silent" in error["message"]
+    assert isinstance(answer["openai"], APIError), answer["openai"]
+    assert "worker rank 1 is silent" in answer["openai"].message
     # Rank 0's stack: waiting for rank 1 in a collective.
     assert STACK_LINE in watched.output and "dpserve/distributed.py" in watched.output
     assert f"watchdog: worker rank 1 is silent (no heartbeat for {WATCHDOG_S}." in watched.output

@@ -15,7 +15,7 @@ import httpx
 
 from dpserve.testing.server import ServerProcess
 
-FUZZ_SECONDS = 100  # schemathesis' time budget (the coverage phase alone takes ~60 s here)
+FUZZ_SECONDS = 60  # schemathesis' time budget; docs/operations.md has the longer run
 
 
 def kv_used(url: str) -> float:
@@ -25,7 +25,8 @@ def kv_used(url: str) -> float:
 
 def test_fuzzed_api_never_fails_and_matches_its_schema(model_dirs, engine_cache, tmp_path):
     engine_cache.close()  # two cores: no idle engine beside the server
-    with ServerProcess("--model-path", model_dirs["llama"], "--tp", "1", "--max-total-tokens", "1024") as srv:
+    # A small pool: the longest generations a schema-valid request may ask for stay short.
+    with ServerProcess("--model-path", model_dirs["llama"], "--tp", "1", "--max-total-tokens", "256") as srv:
         run = subprocess.run(
             [sys.executable, "-m", "schemathesis.cli", "run", f"{srv.url}/openapi.json"]
             + ["--checks", "all", "--exclude-checks", "positive_data_acceptance"]

@@ -91,7 +91,7 @@ def test_short_request_is_not_stuck_behind_a_long_one(engine_cache, model_dirs, 
 
 @pytest.mark.parametrize("tp,dp", LAYOUTS)
 def test_prefix_cache_shared_prefixes(engine_cache, model_dirs, shared_prompts, shared_refs, tp, dp):
-    engine = engine_for(engine_cache, model_dirs, tp, dp, max_running_requests=4)
+    engine = engine_for(engine_cache, model_dirs, tp, dp, max_running_requests=4 * dp)  # 4 per group
     # In one group: every request pinned to group 0.
     rids = [engine.submit(p, greedy(16), dp_rank=0) for p in shared_prompts]
     outputs = [engine.wait(r) for r in rids]

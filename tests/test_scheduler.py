@@ -12,6 +12,7 @@ from dpserve.sampling_params import SamplingParams
 from dpserve.scheduler.request import GenerateRequest
 from dpserve.scheduler.scheduler import MAX_RETRACTIONS, Scheduler, largest_step
 from dpserve.speculative.rejection import greedy_accept
+from dpserve.step.records import GroupBatch
 from dpserve.worker.model_runner import peak_step
 
 
@@ -145,7 +146,7 @@ def test_largest_step_is_reached_and_measured():
     plan, _ = step(s)
     assert plan.mode == "extend" and plan.num_tokens == 4 + 3 * (1 + 2) > s.chunk_size
     assert largest_step(4, 4, 2, 100) == ([4], 3) and largest_step(10, 4, 2, 4) == ([4, 4], 2)
-    cfg = SimpleNamespace(chunked_prefill_size=4, max_running_requests=4, num_drafts=2)
+    cfg = SimpleNamespace(chunked_prefill_size=4, running_per_group=4, num_drafts=2)
     measured = peak_step(cfg, 100)
     assert measured.num_tokens == plan.num_tokens and measured.num_logit_rows == 1 + 3 * 3
     assert [len(r.tokens) for r in measured.reqs] == [4, 3, 3, 3]
@@ -315,3 +316,26 @@ def test_flush_cache_drops_what_no_running_request_holds():
     s.flush_cache()
     assert s.tree.size == s.running[0].kv_len and s.tree.evictable == 0
     assert s.counters["cache_evicted_tokens"] == 29
+
+
+def test_a_cached_prefix_reaches_the_table_even_when_its_admitting_step_adds_nothing():
+    """The cached prefix of an admitted request goes into its table row with its first chunk, in
+    whichever step that comes: here the admitting step is made to add no token (as if it had no
+    room left), and the request still attends its cached tokens (`step` checks every position it
+    attends has a slot), gives the same tokens, and leaves nothing held."""
+    s = make(capacity=60)
+    first = request("a", 20)
+    run(s, [first])
+    other = request("c", 6, first=50)  # takes the table row a had, so b gets a row never written
+    follow = request("b", 24)  # its first 20 tokens are a's prompt, cached
+    assert s.add(other) is None and s.add(follow) is None
+    assert s._admit(s.waiting[0], reserved=0) and s.waiting.popleft() is s.running[-1]
+    assert s._admit(s.waiting[0], reserved=0)
+    req = s.waiting.popleft()
+    assert req.cached_len == 20 and s._add_chunk(GroupBatch(), req, budget=0, reserved=0) == 0
+    outputs = run(s, [])
+    assert outputs["b"]["output_ids"] == expected_output(follow)
+    assert outputs["c"]["output_ids"] == expected_output(other)
+    assert outputs["b"]["cached_tokens"] == 20
+    assert s.stats()["kv_used"] == 0 and not s.running
+    assert_slots_consistent(s)

@@ -737,6 +737,13 @@ def test_sigterm_aborts_streams_and_exits_zero(server, model):
         next(lines)
         server.proc.send_signal(15)
         events = [json.loads(line.removeprefix("data: ")) for line in lines if line.startswith("data: {")]
-    assert events[-1]["choices"][0]["finish_reason"] == "abort"
+    assert events[-2]["choices"][0]["finish_reason"] == "abort"
+    assert events[-1] == {  # the client learns why, after the 200 it got with the first event
+        "error": {
+            "message": "the request was aborted: the server is shutting down",
+            "type": "service_unavailable",
+            "code": 503,
+        }
+    }
     assert server.wait(60) == 0
     assert "shut down cleanly" in server.output

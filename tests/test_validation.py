@@ -90,6 +90,10 @@ def test_bad_sampling_params(params, message):
         (["--tp", "8"], "num_attention_heads=4 is not divisible by 8"),
         (["--dp-padding-mode", "bogus"], "invalid choice: 'bogus'"),
         (["--nnodes", "2", "--tp", "2"], "nnodes > 1 needs dist_init_addr"),
+        (
+            ["--tp", "2", "--dp", "2", "--enable-dp-attention", "--max-running-requests", "1"],
+            "max_running_requests=1 is divided among the dp_size=2 DP groups (as SGLang does): give at least 2",
+        ),
         (["--device", "cuda"], "device=cuda, but this process sees no CUDA device"),
         (
             ["--tp", "8", "--dp", "3"],  # replicas: the heads check names them and what would work
@@ -199,3 +203,15 @@ def test_quantized_checkpoint_is_refused(model_dirs, tmp_path):
     (quantized / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=re.escape("quant_method='fp8' is not supported")):
         Engine(model_path=str(quantized), device="cpu")
+
+
+def test_max_running_requests_has_sglangs_meaning():
+    """The instance's under DP attention, divided evenly among the groups; a replica's otherwise."""
+
+    def per_group(**kwargs) -> int:
+        return EngineConfig(model_path="smollm2-135m", device="cpu", **kwargs).running_per_group
+
+    assert per_group(tp_size=4, dp_size=2, enable_dp_attention=True, max_running_requests=64) == 32
+    assert per_group(tp_size=4, dp_size=4, enable_dp_attention=True, max_running_requests=66) == 16
+    assert per_group(tp_size=1, dp_size=2, max_running_requests=64) == 64  # replicas
+    assert per_group(tp_size=4, dp_size=2, enable_dp_attention=True) == 256  # unset: 256 per group

@@ -96,10 +96,10 @@ def check_fits(args: argparse.Namespace, engine: Engine, kv_capacity: int) -> No
                 f"{args.output_len}) = {need} KV tokens per DP group, but a group holds only "
                 f"{kv_capacity}; lower the batch size or raise --max-total-tokens"
             )
-        if per_group > args.max_running_requests:
+        if per_group > engine.cfg.running_per_group:
             raise SystemExit(
-                f"error: batch size {batch} puts {per_group} requests on a DP group, more than "
-                f"--max-running-requests {args.max_running_requests}"
+                f"error: batch size {batch} puts {per_group} requests on a DP group, more than the "
+                f"{engine.cfg.running_per_group} it runs at once (--max-running-requests)"
             )
 
 

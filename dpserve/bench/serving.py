@@ -472,7 +472,10 @@ def run_offline_engine(
     options = {f.name: info[f.name] for f in fields(EngineConfig) if f.name in info}
     options |= {"dist_init_addr": None, "nnodes": 1, "node_rank": 0}  # its own ports, beside the server
     if max_concurrency:
-        options["max_running_requests"] = -(-max_concurrency // options["dp_size"])
+        per_group = -(-max_concurrency // options["dp_size"])  # DP attention: divided among the groups
+        options["max_running_requests"] = per_group * (
+            options["dp_size"] if options["enable_dp_attention"] else 1
+        )
     greedy = {"temperature": 0.0, "ignore_eos": True}
     with Engine(**options) as engine:
         engine.generate(input_ids=requests[0].prompt, sampling_params={**greedy, "max_new_tokens": 2})
@@ -483,7 +486,7 @@ def run_offline_engine(
     output_tokens = sum(len(o["output_ids"]) for o in outputs)
     return {
         "backend": "dpserve offline Engine",
-        "max_running_requests": options["max_running_requests"],
+        "max_running_requests": engine.cfg.running_per_group,
         "duration": duration,
         "total_output_tokens": output_tokens,
         "request_throughput": len(requests) / duration,

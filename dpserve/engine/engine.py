@@ -74,7 +74,17 @@ class Engine:
             except ValueError as e:
                 raise ValueError(f"request {i}: {e}") from None
         rids = [self._submit(x, p, return_logprob) for x, p in zip(ids, params, strict=True)]
-        results = [self.wait(rid) for rid in rids]
+        results, error = [], None
+        for i, rid in enumerate(rids):
+            try:
+                results.append(self.wait(rid))
+            except ValueError as e:  # the others are aborted and still waited for: none is left behind
+                if error is None:
+                    error = ValueError(f"request {i}: {e}")
+                    for other in rids[i + 1 :]:
+                        self.front.abort(other)
+        if error is not None:
+            raise error
         return results[0] if single else results
 
     def submit(

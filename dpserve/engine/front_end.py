@@ -171,6 +171,7 @@ class FrontEnd:
         return {
             **dataclasses.asdict(cfg),
             "attn_tp_size": cfg.attn_tp_size,
+            "running_per_group": cfg.running_per_group,
             "graph_buckets": cfg.graph_buckets,
             "radix_cache": not cfg.disable_radix_cache,
             "dp_ranks": ranks,

@@ -158,7 +158,7 @@ class LayoutMemory:
 def step_tokens(cfg: EngineConfig, context_len: int) -> int:
     """Tokens of the largest step a group's scheduler can form (what the engine measures)."""
     prompts, decoding = largest_step(
-        cfg.chunked_prefill_size, cfg.max_running_requests, cfg.num_drafts, context_len
+        cfg.chunked_prefill_size, cfg.running_per_group, cfg.num_drafts, context_len
     )
     return sum(prompts) + decoding * (1 + cfg.num_drafts)
 

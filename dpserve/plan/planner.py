@@ -252,7 +252,7 @@ def plan_layout(
         return plan
     cfg = mem.cfg
     per_request = wl.input_len + wl.output_len
-    per_group = min(cfg.max_running_requests, mem.kv_tokens_per_group // per_request)
+    per_group = min(cfg.running_per_group, mem.kv_tokens_per_group // per_request)
     plan.max_concurrency = per_group * mem.groups
     sm = StepModel(mem, model_cfg, prof, nnodes, moe_kernel)
     ctx = wl.input_len + wl.output_len / 2

@@ -36,6 +36,7 @@ class Req:
     slots: list[int] = field(default_factory=list)  # KV slots of its first len(slots) tokens
     node: Node | None = None  # radix tree node it locks: its first `cached_len` slots belong to the tree
     cached_len: int = 0
+    prefix_pending: bool = False  # its cached prefix is not in its table row yet: its next chunk carries it
     dup_slots: list[int] = field(default_factory=list)  # own copies of tokens the tree also holds
     drafts: list[int] = field(default_factory=list)  # speculative tokens verified in this step
     proposed: list[int] = field(default_factory=list)  # NEXTN: the MTP's drafts for its next step

@@ -148,7 +148,7 @@ class Scheduler:
             and self._admit(self.waiting[0], reserved=len(decoding))
         ):
             req = self.waiting.popleft()
-            budget -= self._add_chunk(batch, req, budget, reserved=len(decoding), prefix=list(req.slots))
+            budget -= self._add_chunk(batch, req, budget, reserved=len(decoding))
         spare = self.available - len(decoding)
         for req in decoding:
             req.drafts = self._propose(req, spare)
@@ -241,6 +241,7 @@ class Scheduler:
             return False
         req.row = self.free_rows.pop()
         req.node, req.slots, req.cached_len = node, list(cached), len(cached)
+        req.prefix_pending = bool(cached)
         if req.params.penalized:
             self.token_counts.acquire(req.rid, req.input_ids, req.output_ids)
         if req.cached_tokens is None:
@@ -250,21 +251,19 @@ class Scheduler:
         self.running.append(req)
         return True
 
-    def _add_chunk(
-        self, batch: GroupBatch, req: Req, budget: int, reserved: int, prefix: list[int] | None = None
-    ) -> int:
+    def _add_chunk(self, batch: GroupBatch, req: Req, budget: int, reserved: int) -> int:
         """Adds up to `budget` of `req`'s prompt tokens, as many as memory allows beside the
-        `reserved` decode slots of this step; returns the tokens added. `prefix`: the cached slots
-        of a request admitted in this step."""
+        `reserved` decode slots of this step; returns the tokens added. The first chunk after its
+        admission carries its cached prefix's slots into its table row, whichever step that is."""
         n = min(budget, req.prefill_len - req.kv_len, self.available - reserved)
         if n <= 0:
             return 0
         start = req.kv_len
+        prefix = req.slots[: req.cached_len] if req.prefix_pending else []
+        req.prefix_pending = False
         slots = self._alloc(n)
         done = start + n == req.prefill_len
-        batch.reqs.append(
-            BatchReq(req.row, start, req.fill_ids[start : start + n], slots, done, prefix or [])
-        )
+        batch.reqs.append(BatchReq(req.row, start, req.fill_ids[start : start + n], slots, done, prefix))
         self._step_reqs.append(req)
         self._prefilled.append(req)
         req.slots += slots
@@ -308,6 +307,7 @@ class Scheduler:
         self.free_rows.append(req.row)
         self.token_counts.release(req.rid)
         req.row, req.slots, req.node, req.cached_len, req.dup_slots = 0, [], None, 0, []
+        req.prefix_pending = False
         req.proposed = []
 
     def _cache(self, req: Req) -> None:

@@ -1,5 +1,6 @@
 """Who and what gets in, before FastAPI sees a request: the API key (--api-key), the body size
-limit (--max-request-bytes), JSON bodies only (415), load shedding (--max-queued-requests) and draining on a graceful stop
+limit (--max-request-bytes), JSON bodies only (415), load shedding (--max-queued-requests: requests
+waiting beyond what runs) and draining on a graceful stop
 (--graceful-shutdown-timeout). A plain ASGI middleware, so a refused body is never read whole."""
 
 from __future__ import annotations
@@ -7,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 # Endpoints that queue work on the workers: the ones counted, shed and drained.
@@ -35,7 +37,9 @@ class Admission:
 
     api_key: str | None = None
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
-    max_queued_requests: int | None = None  # None: unbounded
+    max_queued_requests: int | None = None  # waiting requests; None: unbounded
+    running_capacity: int = 0  # requests the instance runs at once: --max-running-requests x groups
+    reported_waiting: Callable[[], int] = lambda: 0  # what the groups' leaders last reported waiting
     in_flight: int = 0  # generation requests admitted and not answered yet (waiting or running)
     draining: bool = False  # a graceful stop began: nothing new is admitted
     rejected: dict[str, int] = field(
@@ -46,9 +50,18 @@ class Admission:
     def __post_init__(self) -> None:
         self._idle.set()
 
+    @property
+    def waiting(self) -> int:
+        """Requests admitted and not running yet, as SGLang's --max-queued-requests counts them: those
+        in flight beyond what the groups run at once, or what their leaders last reported waiting
+        (a group short of KV runs fewer), whichever is more. Counted here, as requests arrive, so
+        that requests arriving together cannot all pass before the engine hears of the first."""
+        return max(self.in_flight - self.running_capacity, self.reported_waiting(), 0)
+
     def figures(self) -> dict:
         return {
             "requests_in_flight": self.in_flight,
+            "requests_waiting": self.waiting,
             "max_queued_requests": self.max_queued_requests,
             "max_request_bytes": self.max_request_bytes,
             "draining": self.draining,
@@ -120,11 +133,11 @@ class Admission:
         if self.draining:
             self.rejected["draining"] += 1
             return "the server is shutting down: it admits no new requests"
-        if self.max_queued_requests is not None and self.in_flight >= self.max_queued_requests:
+        if self.max_queued_requests is not None and self.waiting >= self.max_queued_requests:
             self.rejected["overloaded"] += 1
             return (
-                f"the server is overloaded: {self.in_flight} requests in flight (--max-queued-requests "
-                f"{self.max_queued_requests}); retry later"
+                f"the server is overloaded: {self.waiting} requests waiting (--max-queued-requests "
+                f"{self.max_queued_requests}) beside {self.in_flight - self.waiting} running; retry later"
             )
         return None
 

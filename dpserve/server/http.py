@@ -18,14 +18,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from dpserve.sampling_params import INT64_MAX, INT64_MIN, SamplingParams, check_stop_strings
 from dpserve.server.admission import Admission, error_body
 from dpserve.server.metrics import CONTENT_TYPE
-from dpserve.server.openai_api import OpenAIServing, aborted_error
+from dpserve.server.openai_api import OpenAIServing
 from dpserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     ErrorResponse,
     GenerateRequestBody,
 )
-from dpserve.server.streams import ClientDisconnected, collect, merge, sse
+from dpserve.server.streams import ClientDisconnected, abort_event, aborted_error, collect, merge, sse
 from dpserve.server.tokenizer_manager import Chunk, RequestError, Submission, TokenizerManager
 
 logger = logging.getLogger("dpserve.server")
@@ -78,6 +78,8 @@ def _validation_message(exc: RequestValidationError) -> str:
 def create_app(tm: TokenizerManager, model_name: str, admission: Admission | None = None):
     """The FastAPI app behind `admission`'s checks (API key, body size, shedding, draining)."""
     admission = admission or Admission()
+    admission.running_capacity = tm.cfg.running_per_group * tm.cfg.dp_size
+    admission.reported_waiting = lambda: sum(s.get("queued", 0) for s in tm.front.stats)
     openai = OpenAIServing(tm, model_name)
     tm.metrics_registry.watch_admission(admission.figures)
 
@@ -307,4 +309,7 @@ async def _native_stream(tm: TokenizerManager, stream, body: GenerateRequestBody
     async for _, chunk in merge([stream]):
         seen.append(chunk)
         yield sse(_native_output(tm, seen, body))
+    error = abort_event(seen[-1:])
+    if error is not None:  # after the last event, whose finish_reason says {"type": "abort", ...}
+        yield error
     yield sse("[DONE]")

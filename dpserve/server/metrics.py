@@ -79,8 +79,14 @@ ADMISSION = [
     (
         "requests_in_flight",
         "gauge",
-        "Generation requests admitted and not answered yet (waiting or running); --max-queued-requests bounds it",
+        "Generation requests admitted and not answered yet (waiting or running)",
         "requests_in_flight",
+    ),
+    (
+        "requests_waiting",
+        "gauge",
+        "Generation requests admitted and not running yet; --max-queued-requests bounds it",
+        "requests_waiting",
     ),
 ]
 

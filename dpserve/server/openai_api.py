@@ -12,7 +12,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from dpserve.server.protocol import ChatCompletionRequest, CompletionRequest, _OpenAIRequest
-from dpserve.server.streams import collect, merge, sse
+from dpserve.server.streams import abort_event, aborted_error, collect, merge, sse
 from dpserve.server.tokenizer_manager import Chunk, RequestError, Submission, TokenizerManager
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
@@ -20,14 +20,6 @@ FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
 
 def finish_reason(chunk: Chunk) -> str | None:
     return None if chunk.finish_reason is None else FINISH_REASONS[chunk.finish_reason["type"]]
-
-
-def aborted_error(reason: dict) -> RequestError:
-    """The error of a request that ended in an abort: 400 when its own parameters left nothing to
-    sample, 503 when the server stopped it (a failure, a shutdown)."""
-    return RequestError(
-        f"the request was aborted: {reason.get('message', 'aborted')}", reason.get("status_code", 503)
-    )
 
 
 class OpenAIServing:
@@ -140,7 +132,10 @@ class OpenAIServing:
             body = choice(i, [chunk], subs[i].return_logprob, final=False, first=first[i])
             first[i] = False
             yield sse({**head, "object": obj, "choices": [body], "usage": None})
-        if req.include_usage:
+        error = abort_event(last)
+        if error is not None:  # headers went out with 200: the client learns why here
+            yield error
+        elif req.include_usage:
             yield sse({**head, "object": obj, "choices": [], "usage": _usage(prompt_tokens, last, req.n)})
         yield sse("[DONE]")
 

@@ -8,7 +8,8 @@ from collections.abc import AsyncIterator
 
 from fastapi import Request
 
-from dpserve.server.tokenizer_manager import Chunk
+from dpserve.server.admission import error_body
+from dpserve.server.tokenizer_manager import Chunk, RequestError
 
 DISCONNECT_POLL_S = 0.5
 
@@ -70,3 +71,24 @@ async def collect(request: Request, streams: list[AsyncIterator[Chunk]]) -> list
 
 def sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+def aborted_error(reason: dict) -> RequestError:
+    """The error of a request that ended in an abort: 400 when its own parameters left nothing to
+    sample, 503 when the server stopped it (a failure, a hung rank, a shutdown)."""
+    return RequestError(
+        f"the request was aborted: {reason.get('message', 'aborted')}", reason.get("status_code", 503)
+    )
+
+
+def abort_event(last: list[Chunk | None]) -> str | None:
+    """For a stream whose sequences ended, the SSE error event (vLLM's and SGLang's form, which the
+    openai client raises as an APIError) when one of them was aborted; None when none was."""
+    reason = next(
+        (c.finish_reason for c in last if c and c.finish_reason and c.finish_reason["type"] == "abort"),
+        None,
+    )
+    if reason is None:
+        return None
+    error = aborted_error(reason)
+    return sse(error_body(error.status, str(error)))

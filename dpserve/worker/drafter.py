@@ -89,6 +89,29 @@ class NextNDrafter:
         drafts[:, 0] = logits.argmax(-1)
         # 2. Chained steps, each request while its positions stay inside the context.
         scratch_entries = []  # request-table entries pointing at scratch slots, cleared at the end
+        try:
+            self._chain(drafting, chain_lens, sizes, drafts, out, scratch_entries)
+        finally:
+            # Attention gathers table rows up to the batch's longest request, so a stale scratch slot
+            # (past the main pool's end) must not stay where a shorter request's row is read, even
+            # when drafting failed.
+            for entry in scratch_entries:
+                table[entry] = 0
+        self.seconds = time.perf_counter() - start
+        return [chain[: 1 + n] for chain, n in zip(drafts.tolist(), chain_lens, strict=True)]
+
+    def _chain(
+        self,
+        drafting: list,
+        chain_lens: list[int],
+        sizes: list[DraftSizes],
+        drafts: torch.Tensor,
+        out: torch.Tensor,
+        scratch_entries: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> None:
+        """Step 2 of `run`: the chained MTP steps, filling `drafts` and recording every scratch entry
+        it writes into the request table."""
+        model, table, dev = self.model, self.req_to_token, self.req_to_token.device
         for j in range(1, self.num_steps):
             if not any(s.chain[j - 1] for s in sizes):
                 break
@@ -127,9 +150,3 @@ class NextNDrafter:
             logits, rows_out = model.draft(out[idx], inputs, self.pool)
             drafts[idx, j] = logits.argmax(-1)
             out = out.index_copy(0, idx, rows_out)
-        # Attention gathers table rows up to the batch's longest request, so a stale scratch slot
-        # (past the main pool's end) must not stay where a shorter request's row is read.
-        for entry in scratch_entries:
-            table[entry] = 0
-        self.seconds = time.perf_counter() - start
-        return [chain[: 1 + n] for chain, n in zip(drafts.tolist(), chain_lens, strict=True)]

@@ -219,7 +219,7 @@ class Worker:
             self.scheduler = Scheduler(
                 self.dp_rank,
                 runner.max_total_num_tokens,
-                cfg.max_running_requests,
+                cfg.running_per_group,
                 cfg.chunked_prefill_size,
                 model_cfg.context_len,
                 model_cfg.vocab_size,

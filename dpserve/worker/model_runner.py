@@ -51,7 +51,7 @@ def peak_step(cfg: EngineConfig, context_len: int) -> GroupBatch:
     """The largest step (`largest_step`) as a batch: prompts from position 0 and decoding requests
     with their drafts (logits for each), every request on its own table row and fresh slots."""
     d = cfg.num_drafts
-    prompts, decoding = largest_step(cfg.chunked_prefill_size, cfg.max_running_requests, d, context_len)
+    prompts, decoding = largest_step(cfg.chunked_prefill_size, cfg.running_per_group, d, context_len)
     sizes = [(n, False) for n in prompts] + [(1 + d, d > 0)] * decoding
     batch, used = GroupBatch("extend"), 1  # slot 0: the padding slot
     for row, (n, verify) in enumerate(sizes, start=1):
@@ -72,7 +72,7 @@ class ModelRunner:
         # Pool slot of every position of every running request, kept alike on every rank of the group:
         # each step writes only its new slots (row 0 stays zero for padded rows).
         self.req_to_token = torch.zeros(
-            cfg.max_running_requests + 1, model_cfg.context_len, dtype=torch.int32, device=device
+            cfg.running_per_group + 1, model_cfg.context_len, dtype=torch.int32, device=device
         )
         self.activation_bytes = 0
         self.slots_written = 0  # request-to-slot entries the last step wrote
