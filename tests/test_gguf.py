@@ -212,12 +212,14 @@ def test_readme_command_serves_smollm2_and_answers_paris(smol_dir, engine_cache)
 
 
 def readme_python_blocks() -> list[str]:
-    text = (Path(__file__).parent.parent / "README.md").read_text()
+    """The Python blocks of README.md and of docs/api.md, which the README sends users to."""
+    root = Path(__file__).parent.parent
+    text = (root / "README.md").read_text() + (root / "docs" / "api.md").read_text()
     return re.findall(r"^```python\n(.*?)^```$", text, flags=re.S | re.M)
 
 
 def test_readme_python_blocks_run_as_written(smol_dir, engine_cache, tmp_path):
-    """Every Python block of README.md, run as a script exactly as written: the OpenAI client's against
+    """Every Python block of README.md and docs/api.md, run as a script exactly as written: the OpenAI client's against
     a server on the README's address (127.0.0.1:30000), the offline Engine's on its own."""
     engine_cache.close()
     blocks = readme_python_blocks()

@@ -1,4 +1,4 @@
-"""The tables of accepted request fields: README.md lists exactly what each endpoint's model accepts,
+"""The tables of accepted request fields: docs/api.md lists exactly what each endpoint's model accepts,
 and a field accepted only at its neutral value takes each of them and refuses anything else by
 name. (What the implemented fields do, through a real server: tests/test_server.py.)"""
 
@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from dpserve.sampling_params import NEUTRAL, SamplingParams
 from dpserve.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequestBody
 
-README = (Path(__file__).parent.parent / "README.md").read_text()
+API_DOC = (Path(__file__).parent.parent / "docs" / "api.md").read_text()
 MINIMAL = {
     ChatCompletionRequest: {"model": "m", "messages": [{"role": "user", "content": "hi"}]},
     CompletionRequest: {"model": "m", "prompt": "hi"},
@@ -23,8 +23,8 @@ MINIMAL = {
 
 
 def readme_table(title: str) -> set[str]:
-    """The field names in the first column of the README table under `title`."""
-    rows = README.split(f"\n{title}\n\n", 1)[1].split("\n\n", 1)[0].splitlines()[2:]
+    """The field names in the first column of the docs/api.md table under `title`."""
+    rows = API_DOC.split(f"\n{title}\n\n", 1)[1].split("\n\n", 1)[0].splitlines()[2:]
     return {name for row in rows for name in re.findall(r"`(\w+)`", row.split(" | ")[0])}
 
 

@@ -1,5 +1,5 @@
 """Request bodies of the HTTP API: one model per endpoint, holding the endpoint's table of accepted
-fields (README.md, "Request fields"): OpenAI's fields and SGLang's extensions, as SGLang's router
+fields (docs/api.md, "Request fields"): OpenAI's fields and SGLang's extensions, as SGLang's router
 (sglang-router) fills them in on every request. A field is
 
 - implemented;
@@ -76,7 +76,7 @@ class _Strict(BaseModel):
 
     @classmethod
     def accepted_fields(cls) -> set[str]:
-        """Every field name the endpoint accepts (the README's table)."""
+        """Every field name the endpoint accepts (its table in docs/api.md)."""
         return set(cls.model_fields) | set(cls.NEUTRAL)
 
 
