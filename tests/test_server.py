@@ -9,7 +9,7 @@ import time
 
 import httpx
 import pytest
-from openai import AsyncOpenAI, OpenAI
+from openai import APIError, AsyncOpenAI, OpenAI
 from transformers import AutoTokenizer
 
 from dpserve.testing.server import ServerProcess
@@ -714,6 +714,30 @@ def test_null_max_tokens_means_openai_default(server, model):
     r = httpx.post(f"{server.url}/v1/completions", json=body)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 16
     assert len(r.json()["choices"]) == 1 and not r.json()["choices"][0]["text"].startswith("hi")
+
+
+def test_a_streamed_request_left_nothing_to_sample_learns_why(server, model):
+    """Its 200 went out with the stream: the last event is the error (400, naming the cause), then
+    [DONE]; the openai client raises it."""
+    body = {"model": model, "prompt": "hi", "max_tokens": 4, "min_tokens": 2, "stream": True}
+    body["stop_token_ids"] = list(range(301))  # min_tokens forbids every token of the vocabulary
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body) as r:
+        events = [line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data: ")]
+    assert r.status_code == 200 and events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == 400 and "no token can be sampled" in error["message"]
+    assert json.loads(events[-3])["choices"][0]["finish_reason"] == "abort"
+    client = OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+    stream = client.completions.create(
+        model=model,
+        prompt="hi",
+        max_tokens=4,
+        stream=True,
+        extra_body={k: body[k] for k in ("min_tokens", "stop_token_ids")},
+    )
+    with pytest.raises(APIError, match="no token can be sampled"):
+        list(stream)
+    assert kv_used(server) == 0
 
 
 def test_disconnect_mid_stream_frees_kv(server, model):
