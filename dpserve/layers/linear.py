@@ -6,10 +6,38 @@ from torch import nn
 
 
 class Linear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, packable: bool = True):
+        """`packable`: False for a layer whose weight is read as a tensor (MLA's kv_b_proj, absorbed)."""
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.packable = packable
+        self.packed: torch.Tensor | None = None  # the weight in oneDNN's layout (pack_for_cpu)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+    def pack_for_cpu(self) -> bool:
+        """Reorders a bfloat16 CPU weight once into oneDNN's blocked layout and frees the original:
+        F.linear reorders it on every call, which at decode's few rows costs as much as the GEMM
+        (docs/benchmarks.md, "Prepacked weights"). Results are the same bits. False when not packed
+        (another device or dtype, no native bfloat16, or a weight read as a tensor)."""
+        w = self.weight
+        if not (
+            self.packable
+            and w is not None
+            and w.device.type == "cpu"
+            and w.dtype == torch.bfloat16
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        ):
+            return False
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
+        self.weight = None  # its storage goes: the packed copy replaces it
+        return True
+
+
+def pack_linears_for_cpu(model: nn.Module) -> int:
+    """Packs every packable Linear of `model` (after its weights are loaded); returns how many."""
+    return sum(m.pack_for_cpu() for m in model.modules() if isinstance(m, Linear))

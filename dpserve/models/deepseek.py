@@ -89,7 +89,7 @@ class MLAAttention(nn.Module):
         self.kv_a_proj_with_mqa = Linear(h, self.rank + self.rope_dim)
         self.kv_a_layernorm = RMSNorm(self.rank, LORA_NORM_EPS)
         # Keys (nope part) and values from the latent, per head: W_UK rows then W_UV rows.
-        self.kv_b_proj = Linear(self.rank, self.heads * (self.nope + self.v_dim))
+        self.kv_b_proj = Linear(self.rank, self.heads * (self.nope + self.v_dim), packable=False)  # _absorbed
         self.o_proj = Linear(self.heads * self.v_dim, h)
         self.scale = qk_dim**-0.5 * yarn_softmax_scale(dict(hf.rope_parameters or {}))
         self.rotary = rotary  # one table for the whole model

@@ -17,6 +17,7 @@ from dpserve.attention import make_backend
 from dpserve.config import EngineConfig
 from dpserve.distributed import SENT, Groups, all_reduce
 from dpserve.kvcache.pool import KVPool
+from dpserve.layers.linear import pack_linears_for_cpu
 from dpserve.memory import agree_min, kv_budget_bytes, kv_bytes_per_token, kv_pool_tokens, param_bytes
 from dpserve.models.base import CausalLM
 from dpserve.models.batch import ForwardBatch
@@ -67,6 +68,10 @@ class ModelRunner:
         self.model = load_model(cfg, model_cfg, groups, device)
         self.dtype = cfg.torch_dtype
         self.weight_bytes = param_bytes(self.model)
+        if device.type == "cpu" and not cfg.enable_torch_compile:  # inductor packs compiled steps itself
+            packed = pack_linears_for_cpu(self.model)
+            if packed:
+                logger.info("%d linear layers packed for oneDNN (bfloat16 on the CPU)", packed)
         self.kv_shapes = self.model.kv_entry_shapes()
         self.kv_bytes_per_token = kv_bytes_per_token(self.model.kv_layers, self.kv_shapes, self.dtype)
         # Pool slot of every position of every running request, kept alike on every rank of the group:
