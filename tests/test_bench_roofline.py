@@ -73,3 +73,25 @@ def test_one_batch_prints_each_step_beside_the_measured_floor(model_dirs, capsys
     for r in lines:
         assert r["floor_latency"] > 0
         assert f"{r['median_decode_latency'] / r['floor_latency']:.2f}" in out
+
+
+def test_the_floor_takes_the_fastest_gemm_and_the_report_names_the_engines(model_dirs):
+    """Every linear is timed with each kernel the machine offers (ATen, oneDNN on a prepacked
+    weight in bfloat16, MKL packed in float32) and the floor charges the fastest; the report says
+    which kernel the engine runs: oneDNN for its packed bfloat16 linears, ATen for MLA's kv_b_proj
+    and the LM head."""
+    machine = roofline_floor.Machine(torch.bfloat16, "cpu", reps=1)
+    kernels = machine.gemm_kernels(4, 64, 96, torch.bfloat16)
+    expected = {"aten", "onednn packed"} if torch.ops.mkldnn._is_mkldnn_bf16_supported() else {"aten"}
+    assert set(kernels) == expected
+    assert machine.linear_seconds(4, 64, 96, torch.bfloat16) == min(kernels.values())
+    if torch.backends.mkl.is_available():
+        assert set(machine.gemm_kernels(4, 64, 96, torch.float32)) == {"aten", "mkl packed"}
+    model, model_cfg, cfg = roofline_floor.engine_model(model_dirs["deepseek_v2"], "bfloat16", "cpu")
+    report = roofline_floor.engine_linears(model, machine, batch=4)
+    assert set(report) == {"attention", "dense MLP", "shared experts", "lm head"}
+    assert report["lm head"][0] == "aten"
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():  # kv_b_proj stays on ATen: the absorbed path reads it
+        assert report["attention"][0] == "aten, onednn packed" and report["dense MLP"][0] == "onednn packed"
+    for _, used_s, best_s in report.values():
+        assert used_s >= best_s > 0

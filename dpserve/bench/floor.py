@@ -2,8 +2,10 @@
 `python -m dpserve.bench.roofline` and bench.one_batch's floor column).
 
 The machine: memory bandwidth from large copies, and the time of every linear of the model at its
-own shape and the step's rows (so a small-row GEMM is charged what it really costs here, not a
-peak rate). The step's floor is the larger of two lower bounds:
+own shape and the step's rows with the fastest GEMM kernel the machine offers there (ATen's
+F.linear, oneDNN on a prepacked weight, MKL's packed GEMM: `gemm_kernels`), so a small-row GEMM is
+charged what it really costs here, not a peak rate, nor what an inefficient kernel costs. The step's
+floor is the larger of two lower bounds:
 
 - compute: the model's linears at their measured times, plus the attention core's FLOPs at the
   peak matmul rate (a large square GEMM);
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +34,7 @@ from dpserve.memory import kv_bytes_per_token
 from dpserve.models.config import ModelConfig
 
 MiB = 2**20
+ATEN, ONEDNN_PACKED = "aten", "onednn packed"
 
 
 def _best_seconds(fn, reps: int) -> float:
@@ -50,7 +54,7 @@ class Machine:
 
     def __init__(self, dtype: torch.dtype, device: str = "cpu", reps: int = 7):
         self.dtype, self.device, self.reps = dtype, device, reps
-        self._linear: dict[tuple[int, int, int, torch.dtype], float] = {}
+        self._linear: dict[tuple[int, int, int, torch.dtype], dict[str, float]] = {}
         big = torch.empty(256 * MiB, dtype=torch.uint8, device=device)
         dst = torch.empty_like(big)
         self.bandwidth = 2 * big.numel() / self._time(lambda: dst.copy_(big))  # read + write
@@ -71,12 +75,72 @@ class Machine:
         return _best_seconds(fn, self.reps)
 
     def linear_seconds(self, rows: int, in_features: int, out_features: int, dtype: torch.dtype) -> float:
+        """The fastest kernel's time for this GEMM: the floor is what the machine can do."""
+        return min(self.gemm_kernels(rows, in_features, out_features, dtype).values())
+
+    def gemm_kernels(
+        self, rows: int, in_features: int, out_features: int, dtype: torch.dtype
+    ) -> dict[str, float]:
+        """Seconds of x [rows, in] @ w [out, in]^T with every kernel available here."""
         key = (rows, in_features, out_features, dtype)
         if key not in self._linear:
             x = torch.randn(rows, in_features, dtype=dtype, device=self.device)
             w = torch.randn(out_features, in_features, dtype=dtype, device=self.device)
-            self._linear[key] = self._time(lambda: F.linear(x, w))
+            self._linear[key] = {name: self._time(fn) for name, fn in gemm_candidates(x, w).items()}
         return self._linear[key]
+
+
+def gemm_candidates(x: torch.Tensor, w: torch.Tensor) -> dict[str, Callable[[], torch.Tensor]]:
+    """The GEMM kernels for F.linear(x, w) on x's device: ATen's default; on the CPU oneDNN on a
+    weight prepacked once (bfloat16, what the engine's Linear runs there) and MKL's packed GEMM
+    (float32, packed for x's row count)."""
+    kernels = {ATEN: lambda: F.linear(x, w)}
+    if x.device.type == "cpu":
+        if w.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+            kernels[ONEDNN_PACKED] = lambda: torch.ops.mkldnn._linear_pointwise(
+                x, packed, None, "none", [], ""
+            )
+        if w.dtype == torch.float32 and torch.backends.mkl.is_available() and len(x):
+            mkl = torch.ops.mkl._mkl_reorder_linear_weight(w, len(x))
+            kernels["mkl packed"] = lambda: torch.ops.mkl._mkl_linear(x, mkl, w, None, len(x))
+    return kernels
+
+
+def engine_kernel(layer: torch.nn.Module | None, dtype: torch.dtype, device: str) -> str:
+    """The kernel the engine runs for `layer` (a Linear; None for the LM head and the experts, which
+    run F.linear): oneDNN on its packed weight where `Linear.pack_for_cpu` packs it."""
+    packs = (
+        isinstance(layer, Linear)
+        and layer.packable
+        and device == "cpu"
+        and dtype == torch.bfloat16
+        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
+    return ONEDNN_PACKED if packs else ATEN
+
+
+def engine_linears(
+    model: torch.nn.Module, machine: Machine, batch: int
+) -> dict[str, tuple[str, float, float]]:
+    """Per kind of weight (as `Floor.parts`; the routed experts and router aside): the kernels the
+    engine runs for its linears at `batch` rows, their seconds, and the best kernels' seconds."""
+    head = model.lm_head
+    linears = [
+        (_kind(n), m, *m.weight.shape, m.weight.dtype)
+        for n, m in model.named_modules()
+        if isinstance(m, Linear)
+    ]
+    linears.append(("lm head", None, *head.shape, head.dtype))
+    out: dict[str, list] = {}
+    for kind, layer, out_f, in_f, dtype in linears:
+        kernels = machine.gemm_kernels(batch, in_f, out_f, dtype)
+        used = engine_kernel(layer, dtype, machine.device)
+        entry = out.setdefault(kind, [set(), 0.0, 0.0])
+        entry[0].add(used)
+        entry[1] += kernels[used]
+        entry[2] += min(kernels.values())
+    return {kind: (", ".join(sorted(names)), used_s, best_s) for kind, (names, used_s, best_s) in out.items()}
 
 
 @dataclass

@@ -12,7 +12,7 @@ import logging
 
 import torch
 
-from dpserve.bench.floor import Floor, Machine, MiB, decode_floor, engine_model
+from dpserve.bench.floor import Floor, Machine, MiB, decode_floor, engine_linears, engine_model
 from dpserve.bench.one_batch import run_batch
 
 
@@ -80,6 +80,12 @@ def main(argv: list[str] | None = None) -> None:
         print(
             "  linears by part: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in sorted(floor.parts.items()))
         )
+        step = steps.get(floor.batch)
+        for kind, (kernel, used_s, best_s) in sorted(engine_linears(model, machine, floor.batch).items()):
+            share = f", {used_s / step:.0%} of the step" if step else ""
+            print(
+                f"  {kind}: the engine runs {kernel}, {used_s * 1e3:.2f} ms (best kernel {best_s * 1e3:.2f} ms){share}"
+            )
 
 
 if __name__ == "__main__":
