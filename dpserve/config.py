@@ -23,6 +23,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 LOG_LEVELS = ("debug", "info", "warning", "error")
 SPEC_OPTIONS = ("speculative_num_steps", "speculative_num_draft_tokens")
 DEFAULT_RUNNING_PER_GROUP = 256  # without --max-running-requests
+DEFAULT_CHUNK_PER_GROUP = 2048  # without --chunked-prefill-size
 
 
 def option(
@@ -158,9 +159,11 @@ class EngineConfig:
         f"{DEFAULT_RUNNING_PER_GROUP} per DP group)",
         positive=True,
     )
-    chunked_prefill_size: int = option(
-        2048,
-        "prompt tokens prefilled per step, per DP group (the MoE sees up to dp times this)",
+    chunked_prefill_size: int | None = option(
+        None,
+        "prompt tokens prefilled per step, with SGLang's meaning: with --enable-dp-attention for the "
+        "whole instance, divided evenly among the dp groups (the MoE sees up to that many); for each "
+        f"replica otherwise (default: {DEFAULT_CHUNK_PER_GROUP} per DP group)",
         positive=True,
     )
     disable_radix_cache: bool = option(
@@ -300,11 +303,13 @@ class EngineConfig:
             raise ValueError(
                 f"watchdog_timeout ({self.watchdog_timeout}) and dist_timeout ({self.dist_timeout}) must be > 0"
             )
-        if self.enable_dp_attention and (self.max_running_requests or self.dp_size) < self.dp_size:
-            raise ValueError(
-                f"max_running_requests={self.max_running_requests} is divided among the dp_size={self.dp_size} "
-                f"DP groups (as SGLang does): give at least {self.dp_size}"
-            )
+        for name in ("max_running_requests", "chunked_prefill_size"):
+            value = getattr(self, name)
+            if self.enable_dp_attention and value is not None and value < self.dp_size:
+                raise ValueError(
+                    f"{name}={value} is divided among the dp_size={self.dp_size} DP groups (as SGLang "
+                    f"does): give at least {self.dp_size}"
+                )
         if self.cuda_graph_bs is not None:
             self.cuda_graph_bs = sorted(set(self.cuda_graph_bs))
             if not self.cuda_graph_bs:
@@ -401,6 +406,14 @@ class EngineConfig:
         if self.max_running_requests is None:
             return DEFAULT_RUNNING_PER_GROUP
         return self.max_running_requests // (self.dp_size if self.enable_dp_attention else 1)
+
+    @property
+    def chunk_per_group(self) -> int:
+        """Prompt tokens one DP group prefills per step (SGLang divides --chunked-prefill-size among
+        the groups of DP attention)."""
+        if self.chunked_prefill_size is None:
+            return DEFAULT_CHUNK_PER_GROUP
+        return self.chunked_prefill_size // (self.dp_size if self.enable_dp_attention else 1)
 
     @property
     def attn_tp_size(self) -> int:

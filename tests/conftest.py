@@ -108,7 +108,7 @@ def small_pool_engine(engine_cache, model_dirs, tp: int = 2, dp: int = 2, **kwar
         tp,
         dp,
         max_total_tokens=SMALL_POOL,
-        chunked_prefill_size=16,
+        chunked_prefill_size=16 * dp,  # 16 per group (SGLang divides it among DP-attention groups)
         **kwargs,
     )
 

@@ -142,7 +142,7 @@ def test_ep_with_retraction(engine_cache, model_dirs, prompts, references):
         ep_size=2,
         moe_a2a_backend="all_to_all",
         max_total_tokens=SMALL_POOL,
-        chunked_prefill_size=16,
+        chunked_prefill_size=32,  # 16 per group
         load_balance_method="round_robin",
     )
     outputs = engine.generate(input_ids=prompts * 3, sampling_params=GREEDY, return_logprob=True)

@@ -154,7 +154,7 @@ def test_nextn_with_retraction(engine_cache, trained, nextn_prompts, nextn_refs)
         2,
         2,
         max_total_tokens=SMALL_POOL + 64,
-        chunked_prefill_size=16,
+        chunked_prefill_size=32,  # 16 per group
         load_balance_method="round_robin",  # both copies of a prompt side by side in one group
     )
     outputs = engine.generate(input_ids=nextn_prompts * 2, sampling_params=GREEDY, return_logprob=True)

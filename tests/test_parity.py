@@ -126,7 +126,7 @@ def test_mla_multi_head_prefill_parity(engine_cache, model_dirs, prompts, refere
         tp,
         dp,
         mla_prefill="multi_head",
-        chunked_prefill_size=8,
+        chunked_prefill_size=8 * dp,  # 8 per group
         attention_backend=backend,
         dp_padding_mode="sum_len",
     )

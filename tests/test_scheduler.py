@@ -146,7 +146,7 @@ def test_largest_step_is_reached_and_measured():
     plan, _ = step(s)
     assert plan.mode == "extend" and plan.num_tokens == 4 + 3 * (1 + 2) > s.chunk_size
     assert largest_step(4, 4, 2, 100) == ([4], 3) and largest_step(10, 4, 2, 4) == ([4, 4], 2)
-    cfg = SimpleNamespace(chunked_prefill_size=4, running_per_group=4, num_drafts=2)
+    cfg = SimpleNamespace(chunk_per_group=4, running_per_group=4, num_drafts=2)
     measured = peak_step(cfg, 100)
     assert measured.num_tokens == plan.num_tokens and measured.num_logit_rows == 1 + 3 * 3
     assert [len(r.tokens) for r in measured.reqs] == [4, 3, 3, 3]

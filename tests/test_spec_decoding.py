@@ -69,7 +69,7 @@ def test_ngram_greedy_matches_reference(engine_cache, model_dirs, prompts, refer
 def test_ngram_with_retraction_and_prefix_hits(engine_cache, model_dirs, references, prompts):
     """A small pool: verify steps beside retractions; the same prompts twice hit the prefix cache."""
     engine = ngram_engine(
-        engine_cache, model_dirs, 2, 2, max_total_tokens=SMALL_POOL, chunked_prefill_size=16
+        engine_cache, model_dirs, 2, 2, max_total_tokens=SMALL_POOL, chunked_prefill_size=32
     )
     # Every prompt three times at once: several times the pool, so requests are retracted.
     first = engine.generate(input_ids=prompts * 3, sampling_params=GREEDY, return_logprob=True)
@@ -89,7 +89,7 @@ def test_ngram_with_penalties_matches_decoding_one_token_at_a_time(engine_cache,
     accepted (that each verified position counts the drafts before it is pinned down exactly in
     tests/test_penalties.py)."""
     engine = ngram_engine(
-        engine_cache, model_dirs, 2, 2, max_total_tokens=SMALL_POOL, chunked_prefill_size=16
+        engine_cache, model_dirs, 2, 2, max_total_tokens=SMALL_POOL, chunked_prefill_size=32
     )
     penalties = [{"repetition_penalty": 0.6}, {"frequency_penalty": -1.2, "presence_penalty": 0.5}, {}]
     params = [SamplingParams(**GREEDY, **penalties[i % 3]) for i in range(len(prompts))]

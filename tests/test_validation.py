@@ -215,3 +215,14 @@ def test_max_running_requests_has_sglangs_meaning():
     assert per_group(tp_size=4, dp_size=4, enable_dp_attention=True, max_running_requests=66) == 16
     assert per_group(tp_size=1, dp_size=2, max_running_requests=64) == 64  # replicas
     assert per_group(tp_size=4, dp_size=2, enable_dp_attention=True) == 256  # unset: 256 per group
+
+
+def test_chunked_prefill_size_has_sglangs_meaning():
+    def per_group(**kwargs) -> int:
+        return EngineConfig(model_path="smollm2-135m", device="cpu", **kwargs).chunk_per_group
+
+    assert per_group(tp_size=4, dp_size=4, enable_dp_attention=True, chunked_prefill_size=8192) == 2048
+    assert per_group(tp_size=1, dp_size=2, chunked_prefill_size=512) == 512  # replicas
+    assert per_group(tp_size=4, dp_size=2, enable_dp_attention=True) == 2048  # unset: 2048 per group
+    with pytest.raises(ValueError, match=re.escape("chunked_prefill_size=2 is divided among the dp_size=4")):
+        per_group(tp_size=4, dp_size=4, enable_dp_attention=True, chunked_prefill_size=2)

@@ -172,6 +172,7 @@ class FrontEnd:
             **dataclasses.asdict(cfg),
             "attn_tp_size": cfg.attn_tp_size,
             "running_per_group": cfg.running_per_group,
+            "chunk_per_group": cfg.chunk_per_group,
             "graph_buckets": cfg.graph_buckets,
             "radix_cache": not cfg.disable_radix_cache,
             "dp_ranks": ranks,
@@ -219,7 +220,7 @@ class FrontEnd:
             per_group,
             self.dp_info[0]["kv_bytes_per_token"],
             per_group * cfg.dp_size,
-            cfg.chunked_prefill_size,
-            cfg.chunked_prefill_size * cfg.dp_size,
+            cfg.chunk_per_group,
+            cfg.chunk_per_group * cfg.dp_size,
             spec,
         )

@@ -157,9 +157,7 @@ class LayoutMemory:
 
 def step_tokens(cfg: EngineConfig, context_len: int) -> int:
     """Tokens of the largest step a group's scheduler can form (what the engine measures)."""
-    prompts, decoding = largest_step(
-        cfg.chunked_prefill_size, cfg.running_per_group, cfg.num_drafts, context_len
-    )
+    prompts, decoding = largest_step(cfg.chunk_per_group, cfg.running_per_group, cfg.num_drafts, context_len)
     return sum(prompts) + decoding * (1 + cfg.num_drafts)
 
 

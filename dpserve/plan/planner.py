@@ -258,7 +258,7 @@ def plan_layout(
     ctx = wl.input_len + wl.output_len / 2
     batches = wl.batch_sizes or default_batches(plan.max_concurrency)
     plan.decode = [sm.decode(b, ctx) for b in batches if b <= max(plan.max_concurrency, 1)]
-    plan.prefill_chunk_tokens = min(cfg.chunked_prefill_size, wl.input_len)
+    plan.prefill_chunk_tokens = min(cfg.chunk_per_group, wl.input_len)
     plan.prefill_chunk_s, plan.prefill_chunk_comm_bytes = sm.prefill_chunk(plan.prefill_chunk_tokens)
     if plan.max_concurrency:
         conc = plan.max_concurrency

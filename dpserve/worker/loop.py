@@ -220,7 +220,7 @@ class Worker:
                 self.dp_rank,
                 runner.max_total_num_tokens,
                 cfg.running_per_group,
-                cfg.chunked_prefill_size,
+                cfg.chunk_per_group,
                 model_cfg.context_len,
                 model_cfg.vocab_size,
                 model_cfg.eos_token_ids,

@@ -52,7 +52,7 @@ def peak_step(cfg: EngineConfig, context_len: int) -> GroupBatch:
     """The largest step (`largest_step`) as a batch: prompts from position 0 and decoding requests
     with their drafts (logits for each), every request on its own table row and fresh slots."""
     d = cfg.num_drafts
-    prompts, decoding = largest_step(cfg.chunked_prefill_size, cfg.running_per_group, d, context_len)
+    prompts, decoding = largest_step(cfg.chunk_per_group, cfg.running_per_group, d, context_len)
     sizes = [(n, False) for n in prompts] + [(1 + d, d > 0)] * decoding
     batch, used = GroupBatch("extend"), 1  # slot 0: the padding slot
     for row, (n, verify) in enumerate(sizes, start=1):
