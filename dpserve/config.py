@@ -401,19 +401,20 @@ class EngineConfig:
 
     @property
     def running_per_group(self) -> int:
-        """Requests one DP group's scheduler runs at once (SGLang divides --max-running-requests among
-        the groups of DP attention)."""
-        if self.max_running_requests is None:
-            return DEFAULT_RUNNING_PER_GROUP
-        return self.max_running_requests // (self.dp_size if self.enable_dp_attention else 1)
+        """Requests one DP group's scheduler runs at once."""
+        return self._per_group(self.max_running_requests, DEFAULT_RUNNING_PER_GROUP)
 
     @property
     def chunk_per_group(self) -> int:
-        """Prompt tokens one DP group prefills per step (SGLang divides --chunked-prefill-size among
-        the groups of DP attention)."""
-        if self.chunked_prefill_size is None:
-            return DEFAULT_CHUNK_PER_GROUP
-        return self.chunked_prefill_size // (self.dp_size if self.enable_dp_attention else 1)
+        """Prompt tokens one DP group prefills per step."""
+        return self._per_group(self.chunked_prefill_size, DEFAULT_CHUNK_PER_GROUP)
+
+    def _per_group(self, value: int | None, default: int) -> int:
+        """An instance's budget as SGLang splits it: divided evenly among the groups of DP attention,
+        whole for each replica; unset, `default` per group."""
+        if value is None:
+            return default
+        return value // (self.dp_size if self.enable_dp_attention else 1)
 
     @property
     def attn_tp_size(self) -> int:
