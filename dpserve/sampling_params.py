@@ -102,7 +102,7 @@ class SamplingParams:
                 integer(self.top_k) and (self.top_k == -1 or self.top_k >= 1),
                 "top_k must be -1 or an int >= 1",
             ),
-            (number(self.top_p, 0.0) and self.top_p > 0.0 and self.top_p <= 1.0, "top_p must be in (0, 1]"),
+            (number(self.top_p, 0.0, 1.0) and self.top_p > 0.0, "top_p must be in (0, 1]"),
             (number(self.min_p, 0.0, 1.0), "min_p must be in [0, 1]"),
             (self.seed is None or integer(self.seed), "seed must be an int or None"),
             (number(self.frequency_penalty, -2.0, 2.0), "frequency_penalty must be in [-2, 2]"),

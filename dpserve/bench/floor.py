@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from dpserve.config import EngineConfig
-from dpserve.layers.linear import Linear
+from dpserve.layers.linear import Linear, onednn_packs
 from dpserve.layers.mlp import MoE
 from dpserve.memory import kv_bytes_per_token
 from dpserve.models.config import ModelConfig
@@ -96,7 +96,7 @@ def gemm_candidates(x: torch.Tensor, w: torch.Tensor) -> dict[str, Callable[[], 
     (float32, packed for x's row count)."""
     kernels = {ATEN: lambda: F.linear(x, w)}
     if x.device.type == "cpu":
-        if w.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        if onednn_packs(w.dtype, x.device.type):
             packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
             kernels[ONEDNN_PACKED] = lambda: torch.ops.mkldnn._linear_pointwise(
                 x, packed, None, "none", [], ""
@@ -110,14 +110,7 @@ def gemm_candidates(x: torch.Tensor, w: torch.Tensor) -> dict[str, Callable[[], 
 def engine_kernel(layer: torch.nn.Module | None, dtype: torch.dtype, device: str) -> str:
     """The kernel the engine runs for `layer` (a Linear; None for the LM head and the experts, which
     run F.linear): oneDNN on its packed weight where `Linear.pack_for_cpu` packs it."""
-    packs = (
-        isinstance(layer, Linear)
-        and layer.packable
-        and device == "cpu"
-        and dtype == torch.bfloat16
-        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    )
-    return ONEDNN_PACKED if packs else ATEN
+    return ONEDNN_PACKED if isinstance(layer, Linear) and layer.packs(dtype, device) else ATEN
 
 
 def engine_linears(

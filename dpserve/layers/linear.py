@@ -19,23 +19,26 @@ class Linear(nn.Module):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
+    def packs(self, dtype: torch.dtype, device_type: str) -> bool:
+        """Whether `pack_for_cpu` packs this layer's weight when it has this dtype and device."""
+        return self.packable and onednn_packs(dtype, device_type)
+
     def pack_for_cpu(self) -> bool:
         """Reorders a bfloat16 CPU weight once into oneDNN's blocked layout and frees the original:
         F.linear reorders it on every call, which at decode's few rows costs as much as the GEMM
         (docs/benchmarks.md, "Prepacked weights"). Results are the same bits. False when not packed
         (another device or dtype, no native bfloat16, or a weight read as a tensor)."""
         w = self.weight
-        if not (
-            self.packable
-            and w is not None
-            and w.device.type == "cpu"
-            and w.dtype == torch.bfloat16
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-        ):
+        if w is None or not self.packs(w.dtype, w.device.type):
             return False
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
         self.weight = None  # its storage goes: the packed copy replaces it
         return True
+
+
+def onednn_packs(dtype: torch.dtype, device_type: str) -> bool:
+    """Whether oneDNN runs a prepacked weight of this dtype here: bfloat16 on a CPU with native support."""
+    return device_type == "cpu" and dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def pack_linears_for_cpu(model: nn.Module) -> int:
