@@ -1,10 +1,12 @@
 """The CPU backend: plain PyTorch, each kind of request by what was measured fastest for it
 (docs/benchmarks.md, "Attention on the CPU"):
 
-- one query (decode rows, a verify step's rows, padded rows): two batched matmuls over the row's
-  gathered keys, the query heads of each KV head together (MLA: every head on the one latent),
-  softmax in float32. PyTorch's SDPA kernel pays a fixed cost per (request, head) for a single
-  query, its bfloat16 path is slower still, and at MLA's 576-wide heads it is two orders slower.
+- one query (decode rows, a verify step's rows, padded rows): two batched matmuls in all, over
+  (row, KV head) pairs, the query heads of a KV head together (MLA: every head on the one latent),
+  softmax in float32. The keys are gathered already grouped by KV head, so every matmul operand is
+  contiguous: a bfloat16 bmm on the CPU costs ~20 us a call whatever its size, and several times
+  more on strided operands. PyTorch's SDPA kernel is erratic for a single query (two orders slower
+  with one KV head, MLA's included).
 - several queries (prefill chunks): SDPA's flash kernel, as the sdpa backend runs it, over those
   requests only, so decode rows riding along an extend step are not padded to the chunk's length.
 """
@@ -14,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from dpserve.attention.backend import AttentionMetadata
-from dpserve.attention.sdpa import SdpaBackend, gather
+from dpserve.attention.sdpa import SdpaBackend
 
 
 class TorchBackend(SdpaBackend):
@@ -23,7 +25,7 @@ class TorchBackend(SdpaBackend):
     def prepare(self, meta: AttentionMetadata) -> None:
         s = meta.state
         if meta.max_q_len <= 1:  # every row one query (decode, padded) or none (idle): no split
-            s["one"], s["many"] = (None, *_keys(meta)), None
+            s["one"], s["many"] = (None, _Keys(meta)), None
             return
         q_lens = meta.q_lens_host
         one = [i for i, n in enumerate(q_lens) if n == 1]
@@ -34,15 +36,14 @@ class TorchBackend(SdpaBackend):
         s["one"] = None
         if one:
             sub_one, tokens_one = meta.select(one)
-            s["one"] = (tokens_one, *_keys(sub_one))
+            s["one"] = (tokens_one, _Keys(sub_one))
 
     def mla(self, q, cache, meta, scale, v_dim):
-        kv = cache.unsqueeze(1)  # the latent: one KV head, values its first v_dim columns
         return self._split(
             q,
             meta,
             v_dim,
-            lambda q_one, one: _one_query(q_one, kv, None, v_dim, one[1], one[2], scale),
+            lambda q_one, one: one[1].attend(q_one, cache.unsqueeze(1), None, v_dim, scale),
             lambda q_many, sub: super(TorchBackend, self).mla(q_many, cache, sub, scale, v_dim),
         )
 
@@ -52,7 +53,7 @@ class TorchBackend(SdpaBackend):
             q,
             meta,
             v_dim,
-            lambda q_one, one: _one_query(q_one, k_cache, v_cache, v_dim, one[1], one[2], scale),
+            lambda q_one, one: one[1].attend(q_one, k_cache, v_cache, v_dim, scale),
             lambda q_many, sub: super(TorchBackend, self).gqa(q_many, k_cache, v_cache, sub, scale),
         )
 
@@ -71,34 +72,43 @@ class TorchBackend(SdpaBackend):
         return out
 
 
-def _keys(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each request's slot table [batch, max_seq_len] and which of its keys are real."""
-    table = meta.req_to_token[meta.req_idx, : meta.max_seq_len]
-    valid = torch.arange(meta.max_seq_len, device=table.device)[None, :] < meta.seq_lens[:, None]
-    return table, valid
+class _Keys:
+    """The keys of one-query rows: each row's slots, and which of its key columns are padding.
+    Shared by every layer of a forward."""
 
+    def __init__(self, meta: AttentionMetadata):
+        self.table = meta.req_to_token[meta.req_idx, : meta.max_seq_len].long()  # [n, kv_len]
+        cols = torch.arange(meta.max_seq_len, device=self.table.device)
+        self.padding = cols[None, :] >= meta.seq_lens[:, None]
+        self._rows: dict[int, torch.Tensor] = {}
 
-def _one_query(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor | None,
-    v_dim: int,
-    table: torch.Tensor,
-    valid: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """Each row's one query q [n, heads, d] against its keys `table` [n, kv_len] (`valid` marks
-    the real ones) in caches [slots, kv_heads, d]; values from `v_cache`, or (MLA) the keys' first
-    `v_dim` columns. The heads of a KV head share one [n, group, d] x [n, d, kv_len] matmul."""
-    k = gather(k_cache, table)  # [n, kv_len, kv_heads, d]
-    v = k[..., :v_dim] if v_cache is None else gather(v_cache, table)
-    kv_heads = k.shape[2]
-    group = q.shape[1] // kv_heads
-    outs = []
-    for h in range(kv_heads):
-        qh = q[:, h * group : (h + 1) * group]
-        scores = torch.bmm(qh, k[:, :, h].transpose(1, 2)).float() * scale  # [n, group, kv_len]
-        scores.masked_fill_(~valid[:, None, :], float("-inf"))
-        probs = scores.softmax(-1).to(v.dtype)
-        outs.append(torch.bmm(probs, v[:, :, h]))  # [n, group, v_dim]
-    return outs[0] if kv_heads == 1 else torch.cat(outs, dim=1)
+    def rows(self, kv_heads: int) -> torch.Tensor:
+        """Rows of a [slots * kv_heads, d] view of a cache, grouped by (row, KV head): [n, kv_heads,
+        kv_len]; computed by the first layer that asks."""
+        if kv_heads not in self._rows:
+            heads = torch.arange(kv_heads, device=self.table.device)
+            self._rows[kv_heads] = self.table[:, None, :] * kv_heads + heads[None, :, None]
+        return self._rows[kv_heads]
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor | None,
+        v_dim: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """Each row's one query q [n, heads, d] against its keys in caches [slots, kv_heads, d];
+        values from `v_cache`, or (MLA) the keys' first `v_dim` columns."""
+        n, heads, d = q.shape
+        kv_heads = k_cache.shape[1]
+        rows = self.rows(kv_heads).reshape(-1)
+        pairs = n * kv_heads  # (row, KV head): one matmul each, the KV head's query heads together
+        k = k_cache.reshape(-1, d).index_select(0, rows).view(pairs, -1, d)
+        scores = torch.bmm(q.reshape(pairs, heads // kv_heads, d), k.transpose(1, 2)).view(n, heads, -1)
+        scores = scores.float().mul_(scale).masked_fill_(self.padding[:, None, :], float("-inf"))
+        probs = scores.softmax(-1).to(q.dtype).view(pairs, heads // kv_heads, -1)
+        if v_cache is None:  # all the latent's columns: faster than a matmul on a strided slice
+            return torch.bmm(probs, k)[..., :v_dim].reshape(n, heads, v_dim)
+        v = v_cache.reshape(-1, v_dim).index_select(0, rows).view(pairs, -1, v_dim)
+        return torch.bmm(probs, v).view(n, heads, v_dim)
