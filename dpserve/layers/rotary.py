@@ -54,7 +54,7 @@ def _inv_freq(dim: int, rope: dict, max_positions: int) -> tuple[torch.Tensor, f
 
 
 class RotaryEmbedding(nn.Module):
-    """Applies RoPE to [tokens, heads, dim] tensors.
+    """Applies RoPE to [tokens, heads, dim] tensors (queries and keys in one call where they can).
 
     interleaved=True rotates adjacent pairs (x0, x1), (x2, x3)... as DeepSeek checkpoints do;
     False rotates the two halves (x[:d/2], x[d/2:]) as Llama does.
@@ -64,13 +64,14 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         inv_freq, attention_factor = _inv_freq(dim, rope, max_positions)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float), inv_freq)
-        self.register_buffer("cos", freqs.cos() * attention_factor, persistent=False)
-        self.register_buffer("sin", freqs.sin() * attention_factor, persistent=False)
+        # cos | sin of each position, computed in float32 and kept in the model's dtype (the default
+        # one while the model is built): one lookup per call, the same bits as casting at each call.
+        cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1) * attention_factor
+        self.register_buffer("cos_sin", cos_sin.to(torch.get_default_dtype()), persistent=False)
         self.interleaved = interleaved
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+        cos, sin = self.cos_sin[positions].unsqueeze(1).to(x.dtype).chunk(2, dim=-1)
         if self.interleaved:
             x1, x2 = x[..., 0::2], x[..., 1::2]
             return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)

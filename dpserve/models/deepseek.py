@@ -105,8 +105,8 @@ class MLAAttention(nn.Module):
         q_nope, q_pe = q.view(n, self.heads, -1).split([self.nope, self.rope_dim], dim=-1)
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)
-        q_pe = self.rotary(q_pe, batch.positions)
-        k_pe = self.rotary(k_pe.unsqueeze(1), batch.positions).squeeze(1)
+        pe = self.rotary(torch.cat([q_pe, k_pe.unsqueeze(1)], dim=1), batch.positions)  # one call for both
+        q_pe, k_pe = pe[:, : self.heads], pe[:, self.heads]
         out = self.attend(q_nope, q_pe, torch.cat([latent, k_pe], dim=-1), batch, pool)
         return self.o_proj(out.reshape(n, -1))
 

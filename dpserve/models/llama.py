@@ -52,12 +52,10 @@ class GQAAttention(nn.Module):
         n = x.shape[0]
         if n == 0:
             return x.new_zeros(0, x.shape[1])
-        q, k, v = (
-            self.qkv_proj(x)
-            .view(n, -1, self.head_dim)
-            .split([self.heads, self.kv_heads, self.kv_heads], dim=1)
-        )
-        q, k = self.rotary(q, batch.positions), self.rotary(k, batch.positions)
+        qkv = self.qkv_proj(x).view(n, -1, self.head_dim)
+        qk = self.rotary(qkv[:, : self.heads + self.kv_heads], batch.positions)  # one call for both
+        q, k = qk.split([self.heads, self.kv_heads], dim=1)
+        v = qkv[:, self.heads + self.kv_heads :]
         out = self.attend(q, k, v, batch, pool)
         return self.o_proj(out.reshape(n, -1))
 
