@@ -8,9 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dpserve import cpu_ops
 from dpserve.attention.backend import AttentionMetadata
 from dpserve.attention.sdpa import SdpaBackend
-from dpserve.attention.torch_backend import TorchBackend
+from dpserve.attention.torch_backend import TorchBackend, _Keys
 from dpserve.attention.triton_backend import TritonBackend
 from dpserve.attention.triton_kernels import (
     _row_head_offset,
@@ -166,6 +167,38 @@ def test_half_precision(dtype, lens):
     for out in outs[1:]:
         assert out.dtype == dtype
         torch.testing.assert_close(out.float(), outs[0].float(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "heads,kv_heads,dim,v_dim",
+    [(9, 3, 64, 64), (8, 1, 128, 128), (5, 5, 20, 20), (12, 2, 40, 24), (16, 2, 576, 512)],
+)
+def test_fused_cpu_decode_kernel(dtype, heads, kv_heads, dim, v_dim):
+    """dpserve/csrc/cpu_ops.cpp's decode attention and the plain-PyTorch form it replaces (the one
+    a machine without a compiler runs) against the float32 SDPA reference: key blocks past the
+    first (online softmax), head groups and widths that are not multiples of the vector width,
+    values narrower than keys, padded rows."""
+    assert cpu_ops.load(), "the fused CPU kernels did not build (a C++ compiler and ninja are needed)"
+    meta, num_slots = make_meta([600, 1, 257, 40], [1, 1, 1, 1], pad=2, width=700)
+    g = torch.Generator().manual_seed(3)
+    k = torch.randn(num_slots, kv_heads, dim, generator=g).to(dtype)
+    v = torch.randn(num_slots, kv_heads, v_dim, generator=g).to(dtype)
+    q = torch.randn(meta.num_tokens, heads, dim, generator=g).to(dtype)
+    scale = dim**-0.5
+    ref_backend = SdpaBackend()
+    m = AttentionMetadata(**{**meta.__dict__, "state": {}})
+    ref_backend.prepare(m)
+    ref = ref_backend.gqa(q.float(), k.float(), v.float(), m, scale)
+    fused = torch.ops.dpserve_cpu.decode_attention(
+        q, k, v, meta.req_to_token, meta.req_idx, meta.seq_lens, scale, v_dim
+    )
+    matmuls = _Keys(meta).matmuls(q, k, v, v_dim, scale)
+    # The fused kernel rounds once, its output; the matmuls round their scores and probabilities too.
+    tols = (TOL, TOL) if dtype == torch.float32 else (dict(atol=1e-2, rtol=1e-2), dict(atol=3e-2, rtol=3e-2))
+    for out, tol in zip((fused, matmuls), tols, strict=True):
+        assert out.dtype == dtype and out.shape == ref.shape
+        torch.testing.assert_close(out.float(), ref, **tol)
 
 
 @triton.jit

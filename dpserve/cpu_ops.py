@@ -1,0 +1,71 @@
+"""Fused CPU kernels (dpserve/csrc/cpu_ops.cpp), built on first use with the machine's C++ compiler
+and cached with dpserve's other build products; `torch.ops.dpserve_cpu.*` once `load()` succeeds.
+
+A decode step on the CPU is a few hundred ATen calls per layer whose fixed cost, not their
+arithmetic, dominates: these kernels fuse the chains that cost most (docs/benchmarks.md, "Fused CPU
+kernels"). Where no compiler is found, or `DPSERVE_CPU_KERNELS=0`, the model runs the same math in
+plain PyTorch, and says so once.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from dpserve.models.gguf import cache_root
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+FLAGS = ["-O3", "-march=native", "-fopenmp"]  # built where it runs: the machine's own vector units
+
+
+@functools.cache
+def load() -> bool:
+    """Builds (first time on this machine) and loads the kernels; False, after saying why, where
+    they cannot be."""
+    if os.environ.get("DPSERVE_CPU_KERNELS", "1") == "0":
+        logger.info("fused CPU kernels off (DPSERVE_CPU_KERNELS=0): decode steps run in plain PyTorch")
+        return False
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        logger.warning(
+            "no C++ compiler (c++ or $CXX): the fused CPU kernels are off, decode steps are slower"
+        )
+        return False
+    from torch.utils.cpp_extension import load as build
+
+    # One build per torch version and CPU (model and instruction sets): -march=native code runs only
+    # where it was built.
+    directory = cache_root() / "cpu_ops" / f"torch{torch.__version__}-{_cpu_key()}"
+    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        build(
+            name="dpserve_cpu_ops",
+            sources=[str(SOURCE)],
+            extra_cflags=FLAGS,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(directory),
+            is_python_module=False,
+        )
+    except (RuntimeError, OSError, ImportError) as e:  # a compiler that fails, no ninja
+        logger.warning("fused CPU kernels could not be built (%s): decode steps run in plain PyTorch", e)
+        return False
+    return True
+
+
+def _cpu_key() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    first = {k.strip(): v for k, _, v in (line.partition(":") for line in lines) if k.strip() in KEYS}
+    return hashlib.sha256(repr(sorted(first.items())).encode()).hexdigest()[:12]
+
+
+KEYS = ("model name", "flags")

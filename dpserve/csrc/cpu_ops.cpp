@@ -1,0 +1,257 @@
+// Fused CPU kernels for decode steps (dpserve/cpu_ops.py builds and loads them).
+//
+// Each replaces a chain of small ATen ops whose fixed per-call cost, not their arithmetic, made up
+// most of a CPU decode step (docs/benchmarks.md, "Fused CPU kernels"). Arithmetic in float32,
+// results rounded once to the tensors' dtype.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kKeyBlock = 256;  // keys scored at once (online softmax across blocks)
+
+// A float32 vector register: AVX-512 or AVX2 where the compiler targets them (-march=native), else
+// one lane. Loads widen bfloat16 and float16 to float32.
+#if defined(__AVX512F__)
+struct Vec {
+  static constexpr int64_t kWidth = 16;
+  __m512 v;
+  static Vec zero() { return {_mm512_setzero_ps()}; }
+  static Vec set(float x) { return {_mm512_set1_ps(x)}; }
+  static Vec load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  static Vec load(const c10::BFloat16* p) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(wide, 16))};
+  }
+  static Vec load(const c10::Half* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))}; }
+  void store(float* p) const { _mm512_storeu_ps(p, v); }
+  static Vec fma(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+  float sum() const { return _mm512_reduce_add_ps(v); }
+};
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+struct Vec {
+  static constexpr int64_t kWidth = 8;
+  __m256 v;
+  static Vec zero() { return {_mm256_setzero_ps()}; }
+  static Vec set(float x) { return {_mm256_set1_ps(x)}; }
+  static Vec load(const float* p) { return {_mm256_loadu_ps(p)}; }
+  static Vec load(const c10::BFloat16* p) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return {_mm256_castsi256_ps(_mm256_slli_epi32(wide, 16))};
+  }
+  static Vec load(const c10::Half* p) { return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))}; }
+  void store(float* p) const { _mm256_storeu_ps(p, v); }
+  static Vec fma(Vec a, Vec b, Vec c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
+  float sum() const {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_add_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+  }
+};
+#else
+struct Vec {
+  static constexpr int64_t kWidth = 1;
+  float v;
+  static Vec zero() { return {0.f}; }
+  static Vec set(float x) { return {x}; }
+  template <typename T>
+  static Vec load(const T* p) { return {static_cast<float>(*p)}; }
+  void store(float* p) const { *p = v; }
+  static Vec fma(Vec a, Vec b, Vec c) { return {a.v * b.v + c.v}; }
+  float sum() const { return v; }
+};
+#endif
+
+// scores[g * kKeyBlock + l] = scale * q_g . keys[l], for gs query heads (rows of qf, each d wide)
+// and nk keys: four heads at a time share each load of a key.
+template <typename T>
+void score_block(const float* qf, int64_t gs, int64_t d, const T* const* keys, int64_t nk, float scale,
+                 float* scores) {
+  constexpr int64_t W = Vec::kWidth;
+  for (int64_t l = 0; l < nk; ++l) {
+    const T* key = keys[l];
+    int64_t g = 0;
+    for (; g + 4 <= gs; g += 4) {
+      const float* q0 = qf + g * d;
+      Vec a0 = Vec::zero(), a1 = Vec::zero(), a2 = Vec::zero(), a3 = Vec::zero();
+      int64_t j = 0;
+      for (; j + W <= d; j += W) {
+        const Vec k = Vec::load(key + j);
+        a0 = Vec::fma(Vec::load(q0 + j), k, a0);
+        a1 = Vec::fma(Vec::load(q0 + d + j), k, a1);
+        a2 = Vec::fma(Vec::load(q0 + 2 * d + j), k, a2);
+        a3 = Vec::fma(Vec::load(q0 + 3 * d + j), k, a3);
+      }
+      float s[4] = {a0.sum(), a1.sum(), a2.sum(), a3.sum()};
+      for (; j < d; ++j)
+        for (int64_t u = 0; u < 4; ++u) s[u] += q0[u * d + j] * static_cast<float>(key[j]);
+      for (int64_t u = 0; u < 4; ++u) scores[(g + u) * kKeyBlock + l] = s[u] * scale;
+    }
+    for (; g < gs; ++g) {
+      const float* q0 = qf + g * d;
+      Vec a = Vec::zero();
+      int64_t j = 0;
+      for (; j + W <= d; j += W) a = Vec::fma(Vec::load(q0 + j), Vec::load(key + j), a);
+      float s = a.sum();
+      for (; j < d; ++j) s += q0[j] * static_cast<float>(key[j]);
+      scores[g * kKeyBlock + l] = s * scale;
+    }
+  }
+}
+
+// acc[j] += sum_l p[l] * values[l][j] for j < n: four vector registers of acc at a time stay in
+// registers over the block's keys.
+template <typename T>
+void accumulate_block(const float* p, const T* const* values, int64_t nk, float* acc, int64_t n) {
+  constexpr int64_t W = Vec::kWidth;
+  int64_t j = 0;
+  for (; j + 4 * W <= n; j += 4 * W) {
+    Vec r0 = Vec::load(acc + j), r1 = Vec::load(acc + j + W), r2 = Vec::load(acc + j + 2 * W),
+        r3 = Vec::load(acc + j + 3 * W);
+    for (int64_t l = 0; l < nk; ++l) {
+      const Vec pl = Vec::set(p[l]);
+      const T* v = values[l] + j;
+      r0 = Vec::fma(pl, Vec::load(v), r0);
+      r1 = Vec::fma(pl, Vec::load(v + W), r1);
+      r2 = Vec::fma(pl, Vec::load(v + 2 * W), r2);
+      r3 = Vec::fma(pl, Vec::load(v + 3 * W), r3);
+    }
+    r0.store(acc + j), r1.store(acc + j + W), r2.store(acc + j + 2 * W), r3.store(acc + j + 3 * W);
+  }
+  for (; j + W <= n; j += W) {
+    Vec r = Vec::load(acc + j);
+    for (int64_t l = 0; l < nk; ++l) r = Vec::fma(Vec::set(p[l]), Vec::load(values[l] + j), r);
+    r.store(acc + j);
+  }
+  for (; j < n; ++j)
+    for (int64_t l = 0; l < nk; ++l) acc[j] += p[l] * static_cast<float>(values[l][j]);
+}
+
+// One query per row. Row i attends to the first seq_lens[i] slots of req_to_token[req_idx[i]]; the
+// query heads of a KV head read each of its keys once. Work is split over (row, KV head, block of
+// query heads), so that one row with one KV head (MLA) still keeps every thread busy.
+template <typename T>
+void decode_attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                             const at::Tensor& req_to_token, const at::Tensor& req_idx,
+                             const at::Tensor& seq_lens, double scale, int64_t v_dim, at::Tensor& out) {
+  const int64_t n = q.size(0), heads = q.size(1), d = q.size(2);
+  const int64_t kv_heads = k_cache.size(1), group = heads / kv_heads;
+  const int64_t table_stride = req_to_token.stride(0);
+  const bool shared = !v_cache.defined();  // MLA: values are the keys' first v_dim columns
+  const int64_t v_stride = shared ? d : v_dim;
+  const T* qp = q.const_data_ptr<T>();
+  const T* kp = k_cache.const_data_ptr<T>();
+  const T* vp = shared ? kp : v_cache.const_data_ptr<T>();
+  const int32_t* table = req_to_token.const_data_ptr<int32_t>();
+  const int32_t* rows = req_idx.const_data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.const_data_ptr<int32_t>();
+  T* op = out.data_ptr<T>();
+
+  const int64_t pairs = n * kv_heads;
+  const int64_t splits = std::min(group, std::max<int64_t>(1, (at::get_num_threads() + pairs - 1) / pairs));
+  const int64_t per_split = (group + splits - 1) / splits;
+  at::parallel_for(0, pairs * splits, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(per_split * d), scores(per_split * kKeyBlock), acc(per_split * v_dim);
+    std::vector<float> run_max(per_split), run_sum(per_split);
+    std::vector<const T*> keys(kKeyBlock), values(kKeyBlock);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t pair = task / splits, i = pair / kv_heads, h = pair % kv_heads;
+      const int64_t g0 = (task % splits) * per_split, g1 = std::min(group, g0 + per_split), gs = g1 - g0;
+      if (gs <= 0) continue;
+      const int32_t* slots = table + rows[i] * table_stride;
+      const int64_t len = lens[i];
+      for (int64_t g = 0; g < gs; ++g) {
+        const T* src = qp + (i * heads + h * group + g0 + g) * d;
+        for (int64_t j = 0; j < d; ++j) qf[g * d + j] = static_cast<float>(src[j]);
+        run_max[g] = -std::numeric_limits<float>::infinity();
+        run_sum[g] = 0.f;
+      }
+      std::fill(acc.begin(), acc.begin() + gs * v_dim, 0.f);
+      for (int64_t b0 = 0; b0 < len; b0 += kKeyBlock) {
+        const int64_t b1 = std::min(len, b0 + kKeyBlock);
+        const int64_t nk = b1 - b0;
+        for (int64_t l = 0; l < nk; ++l) {
+          const int64_t slot = slots[b0 + l];
+          keys[l] = kp + (slot * kv_heads + h) * d;
+          values[l] = vp + (slot * kv_heads + h) * v_stride;
+        }
+        score_block(qf.data(), gs, d, keys.data(), nk, static_cast<float>(scale), scores.data());
+        for (int64_t g = 0; g < gs; ++g) {
+          float* s = &scores[g * kKeyBlock];
+          float m = run_max[g];
+          for (int64_t l = 0; l < nk; ++l) m = std::max(m, s[l]);
+          const float rescale = std::exp(run_max[g] - m);  // 0 on the first block (-inf)
+          float sum = 0.f;
+          for (int64_t l = 0; l < nk; ++l) {
+            s[l] = std::exp(s[l] - m);
+            sum += s[l];
+          }
+          run_sum[g] = run_sum[g] * rescale + sum;
+          run_max[g] = m;
+          if (rescale != 1.f)
+            for (int64_t j = 0; j < v_dim; ++j) acc[g * v_dim + j] *= rescale;
+        }
+        for (int64_t g = 0; g < gs; ++g) accumulate_block(&scores[g * kKeyBlock], values.data(), nk, &acc[g * v_dim], v_dim);
+      }
+      for (int64_t g = 0; g < gs; ++g) {
+        T* dst = op + (i * heads + h * group + g0 + g) * v_dim;
+        const float inv = 1.f / run_sum[g];
+        for (int64_t j = 0; j < v_dim; ++j) dst[j] = static_cast<T>(acc[g * v_dim + j] * inv);
+      }
+    }
+  });
+}
+
+// Calls f(T{}) for the dtypes the kernels take: float32, bfloat16, float16.
+template <typename F>
+void dispatch(at::ScalarType dtype, const char* name, F&& f) {
+  switch (dtype) {
+    case at::kFloat: return f(float{});
+    case at::kBFloat16: return f(c10::BFloat16{});
+    case at::kHalf: return f(c10::Half{});
+    default: TORCH_CHECK(false, name, ": float32, bfloat16 or float16, not ", dtype);
+  }
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const std::optional<at::Tensor>& v_cache,
+                            const at::Tensor& req_to_token, const at::Tensor& req_idx, const at::Tensor& seq_lens,
+                            double scale, int64_t v_dim) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3, "decode_attention: q [n, heads, d], k_cache [slots, kv_heads, d]");
+  TORCH_CHECK(k_cache.is_contiguous() && req_to_token.scalar_type() == at::kInt && req_to_token.stride(1) == 1,
+              "decode_attention: a contiguous cache and an int32 request-to-slot table");
+  TORCH_CHECK(q.size(2) == k_cache.size(2) && q.size(1) % k_cache.size(1) == 0, "decode_attention: head shapes");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "decode_attention: q and the cache in one dtype");
+  at::Tensor v;
+  if (v_cache.has_value()) {
+    v = *v_cache;
+    TORCH_CHECK(v.is_contiguous() && v.size(1) == k_cache.size(1) && v.size(2) == v_dim, "decode_attention: v_cache");
+  } else {
+    TORCH_CHECK(k_cache.size(1) == 1 && v_dim <= k_cache.size(2), "decode_attention: shared keys and values");
+  }
+  const at::Tensor qc = q.contiguous(), rows = req_idx.to(at::kInt).contiguous();
+  const at::Tensor lens = seq_lens.to(at::kInt).contiguous();
+  at::Tensor out = at::empty({q.size(0), q.size(1), v_dim}, q.options());
+  dispatch(q.scalar_type(), "decode_attention", [&](auto tag) {
+    decode_attention_kernel<decltype(tag)>(qc, k_cache, v, req_to_token, rows, lens, scale, v_dim, out);
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(dpserve_cpu, m) {
+  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor? v_cache, Tensor req_to_token, Tensor req_idx, "
+        "Tensor seq_lens, float scale, int v_dim) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(dpserve_cpu, CPU, m) { m.impl("decode_attention", &decode_attention); }
