@@ -23,7 +23,8 @@ from dpserve.models.gguf import cache_root
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
-FLAGS = ["-O3", "-march=native", "-fopenmp"]  # built where it runs: the machine's own vector units
+# Built where it runs (the machine's own vector units); products rounded as written, never fused.
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
 
 
 @functools.cache
@@ -56,7 +57,14 @@ def load() -> bool:
     except (RuntimeError, OSError, ImportError) as e:  # a compiler that fails, no ninja
         logger.warning("fused CPU kernels could not be built (%s): decode steps run in plain PyTorch", e)
         return False
+    logger.info("fused CPU kernels loaded from %s", directory)
     return True
+
+
+def usable(x: torch.Tensor) -> bool:
+    """Whether the kernels run on `x`: a CPU tensor outside torch.compile's tracing (inductor fuses
+    the plain form there itself) on a machine where they are built."""
+    return x.is_cpu and not torch.compiler.is_compiling() and load()
 
 
 def _cpu_key() -> str:

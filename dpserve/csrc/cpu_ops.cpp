@@ -35,6 +35,9 @@ struct Vec {
   static Vec load(const c10::Half* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))}; }
   void store(float* p) const { _mm512_storeu_ps(p, v); }
   static Vec fma(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+  Vec operator*(Vec b) const { return {_mm512_mul_ps(v, b.v)}; }
+  Vec operator+(Vec b) const { return {_mm512_add_ps(v, b.v)}; }
+  Vec operator-(Vec b) const { return {_mm512_sub_ps(v, b.v)}; }
   float sum() const { return _mm512_reduce_add_ps(v); }
 };
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -51,6 +54,9 @@ struct Vec {
   static Vec load(const c10::Half* p) { return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))}; }
   void store(float* p) const { _mm256_storeu_ps(p, v); }
   static Vec fma(Vec a, Vec b, Vec c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
+  Vec operator*(Vec b) const { return {_mm256_mul_ps(v, b.v)}; }
+  Vec operator+(Vec b) const { return {_mm256_add_ps(v, b.v)}; }
+  Vec operator-(Vec b) const { return {_mm256_sub_ps(v, b.v)}; }
   float sum() const {
     __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     x = _mm_add_ps(x, _mm_movehl_ps(x, x));
@@ -68,9 +74,53 @@ struct Vec {
   static Vec load(const T* p) { return {static_cast<float>(*p)}; }
   void store(float* p) const { *p = v; }
   static Vec fma(Vec a, Vec b, Vec c) { return {a.v * b.v + c.v}; }
+  Vec operator*(Vec b) const { return {v * b.v}; }
+  Vec operator+(Vec b) const { return {v + b.v}; }
+  Vec operator-(Vec b) const { return {v - b.v}; }
   float sum() const { return v; }
 };
 #endif
+
+// Stores the lanes as T, rounded to nearest even (as c10's conversions round).
+template <typename T>
+inline void store_as(Vec x, T* p) {
+  float lanes[Vec::kWidth];
+  x.store(lanes);
+  for (int64_t i = 0; i < Vec::kWidth; ++i) p[i] = static_cast<T>(lanes[i]);
+}
+template <>
+inline void store_as<float>(Vec x, float* p) {
+  x.store(p);
+}
+#if defined(__AVX512F__)
+inline __m512i bfloat16_rounded_bits(__m512 x) {  // c10::BFloat16's rounding, NaN aside
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  return _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+}
+template <>
+inline void store_as<c10::BFloat16>(Vec x, c10::BFloat16* p) {
+  const __m256i narrow = _mm512_cvtepi32_epi16(_mm512_srli_epi32(bfloat16_rounded_bits(x.v), 16));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), narrow);
+}
+template <>
+inline void store_as<c10::Half>(Vec x, c10::Half* p) {
+  const __m256i narrow = _mm512_cvtps_ph(x.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), narrow);
+}
+#endif
+
+// Each lane rounded to T and widened back: what an ATen op with a T output keeps.
+template <typename T>
+inline Vec rounded(Vec x) {
+  T lanes[Vec::kWidth];
+  store_as(x, lanes);
+  return Vec::load(lanes);
+}
+template <>
+inline Vec rounded<float>(Vec x) {
+  return x;
+}
 
 // scores[g * kKeyBlock + l] = scale * q_g . keys[l], for gs query heads (rows of qf, each d wide)
 // and nk keys: four heads at a time share each load of a key.
@@ -247,11 +297,114 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   return out;
 }
 
+
+// Elementwise kernels: the same roundings as the ATen ops they replace (each intermediate the eager
+// code keeps in the tensors' dtype is rounded to it here too, and -ffp-contract=off keeps a * b - c * d
+// from becoming a fused multiply-add), so that both paths give the same tokens.
+
+template <typename T>
+inline T round_to(float x) {
+  return static_cast<T>(x);
+}
+
+// Rows small enough to run on one thread, so that a decode step's few rows pay no thread wake-up.
+inline int64_t grain(int64_t row_elems) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, row_elems)); }
+
+// weight * (x * rsqrt(mean(x^2) + eps)), statistics in float32 (RMSNorm of dpserve/layers/norm.py).
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type() && weight.dim() == 1 && x.size(-1) == weight.size(0),
+              "rms_norm: x [..., d] and weight [d] of one dtype");
+  const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
+  at::Tensor out = at::empty_like(xc);
+  const int64_t d = x.size(-1), rows = d ? xc.numel() / d : 0;
+  dispatch(x.scalar_type(), "rms_norm", [&](auto tag) {
+    using T = decltype(tag);
+    const T *xp = xc.const_data_ptr<T>(), *wp = wc.const_data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    at::parallel_for(0, rows, grain(d), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const T* row = xp + r * d;
+        constexpr int64_t W = Vec::kWidth;
+        Vec squares = Vec::zero();
+        int64_t j = 0;
+        for (; j + W <= d; j += W) {
+          const Vec v = Vec::load(row + j);
+          squares = Vec::fma(v, v, squares);
+        }
+        float sum = squares.sum();
+        for (int64_t k = j; k < d; ++k) sum += static_cast<float>(row[k]) * static_cast<float>(row[k]);
+        const float inv = 1.f / std::sqrt(sum / static_cast<float>(d) + static_cast<float>(eps));
+        T* dst = op + r * d;
+        for (j = 0; j + W <= d; j += W)
+          store_as(Vec::load(wp + j) * rounded<T>(Vec::load(row + j) * Vec::set(inv)), dst + j);
+        for (; j < d; ++j) {
+          const T normed = round_to<T>(static_cast<float>(row[j]) * inv);
+          dst[j] = round_to<T>(static_cast<float>(wp[j]) * static_cast<float>(normed));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// RoPE on x [tokens, heads, d] (any strides but the last) at `positions`, from a [max_positions, d]
+// table holding cos | sin of the d / 2 frequencies (RotaryEmbedding of dpserve/layers/rotary.py):
+// adjacent pairs (interleaved) or the two halves.
+at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos_sin, const at::Tensor& positions, bool interleaved) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && cos_sin.is_contiguous() && x.size(2) == cos_sin.size(1) &&
+                  x.size(2) % 2 == 0 && x.scalar_type() == cos_sin.scalar_type(),
+              "rotary: x [tokens, heads, d], a [positions, d] table of x's dtype");
+  const at::Tensor pos = positions.to(at::kLong).contiguous();
+  const int64_t n = x.size(0), heads = x.size(1), d = x.size(2), half = d / 2;
+  at::Tensor out = at::empty({n, heads, d}, x.options());
+  dispatch(x.scalar_type(), "rotary", [&](auto tag) {
+    using T = decltype(tag);
+    const T *xp = x.const_data_ptr<T>(), *tp = cos_sin.const_data_ptr<T>();
+    const int64_t* pp = pos.const_data_ptr<int64_t>();
+    const int64_t s0 = x.stride(0), s1 = x.stride(1);
+    T* op = out.data_ptr<T>();
+    at::parallel_for(0, n, grain(heads * d), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const T *cos = tp + pp[t] * d, *sin = cos + half;
+        for (int64_t h = 0; h < heads; ++h) {
+          const T* src = xp + t * s0 + h * s1;
+          T* dst = op + (t * heads + h) * d;
+          int64_t j = 0;
+          if (!interleaved) {
+            for (; j + Vec::kWidth <= half; j += Vec::kWidth) {
+              const Vec x1 = Vec::load(src + j), x2 = Vec::load(src + half + j);
+              const Vec c = Vec::load(cos + j), sn = Vec::load(sin + j);
+              store_as(rounded<T>(x1 * c) - rounded<T>(x2 * sn), dst + j);
+              store_as(rounded<T>(x2 * c) + rounded<T>(x1 * sn), dst + half + j);
+            }
+          }
+          for (; j < half; ++j) {
+            const int64_t i1 = interleaved ? 2 * j : j, i2 = interleaved ? 2 * j + 1 : j + half;
+            const float x1 = static_cast<float>(src[i1]), x2 = static_cast<float>(src[i2]);
+            const float c = static_cast<float>(cos[j]), sn = static_cast<float>(sin[j]);
+            const float a = static_cast<float>(round_to<T>(x1 * c)), b = static_cast<float>(round_to<T>(x2 * sn));
+            const float e = static_cast<float>(round_to<T>(x2 * c)), f = static_cast<float>(round_to<T>(x1 * sn));
+            dst[i1] = round_to<T>(a - b);
+            dst[i2] = round_to<T>(e + f);
+          }
+        }
+      }
+    });
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(dpserve_cpu, m) {
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor? v_cache, Tensor req_to_token, Tensor req_idx, "
         "Tensor seq_lens, float scale, int v_dim) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("rotary(Tensor x, Tensor cos_sin, Tensor positions, bool interleaved) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(dpserve_cpu, CPU, m) { m.impl("decode_attention", &decode_attention); }
+TORCH_LIBRARY_IMPL(dpserve_cpu, CPU, m) {
+  m.impl("decode_attention", &decode_attention);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("rotary", &rotary);
+}

@@ -1,6 +1,7 @@
 import torch
 from torch import nn
 
+from dpserve import cpu_ops
 from dpserve.memory import chunk_rows
 
 
@@ -22,7 +23,14 @@ class RMSNorm(nn.Module):
         return out
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        if x.dtype == self.weight.dtype and cpu_ops.usable(x):
+            return torch.ops.dpserve_cpu.rms_norm(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as transformers computes it: float32 statistics, the normed rows back in x's dtype."""
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)

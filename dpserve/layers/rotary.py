@@ -7,6 +7,8 @@ import math
 import torch
 from torch import nn
 
+from dpserve import cpu_ops
+
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
@@ -71,9 +73,18 @@ class RotaryEmbedding(nn.Module):
         self.interleaved = interleaved
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        cos, sin = self.cos_sin[positions].unsqueeze(1).to(x.dtype).chunk(2, dim=-1)
-        if self.interleaved:
-            x1, x2 = x[..., 0::2], x[..., 1::2]
-            return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        if x.dtype == self.cos_sin.dtype and x.stride(-1) == 1 and cpu_ops.usable(x):
+            return torch.ops.dpserve_cpu.rotary(x, self.cos_sin, positions, self.interleaved)
+        return rotate(x, self.cos_sin, positions, self.interleaved)
+
+
+def rotate(
+    x: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor, interleaved: bool
+) -> torch.Tensor:
+    """x [tokens, heads, dim] rotated at `positions` by a [max_positions, dim] table of cos | sin."""
+    cos, sin = cos_sin[positions].unsqueeze(1).to(x.dtype).chunk(2, dim=-1)
+    if interleaved:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

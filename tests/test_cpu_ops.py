@@ -1,0 +1,52 @@
+"""The fused CPU kernels of dpserve/csrc/cpu_ops.cpp against the plain-PyTorch forms they replace
+(what a machine without a compiler runs): rotary gives the same bits (each intermediate rounded as
+the eager ops round it), RMSNorm the same up to the order of its sum of squares; float32, bfloat16 and
+float16, widths that are not multiples of the vector width, strided inputs. Decode attention is in
+test_attention.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dpserve import cpu_ops
+from dpserve.layers.norm import rms_norm
+from dpserve.layers.rotary import _inv_freq, rotate
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    assert cpu_ops.load(), "the fused CPU kernels did not build (a C++ compiler and ninja are needed)"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,dim", [(1, 576), (16, 576), (5, 40), (300, 7168), (3, 1)])
+def test_rms_norm(dtype, rows, dim):
+    g = torch.Generator().manual_seed(rows + dim)
+    x = (torch.randn(rows, dim, generator=g) * 3).to(dtype)
+    w = torch.randn(dim, generator=g).to(dtype)
+    fused = torch.ops.dpserve_cpu.rms_norm(x, w, 1e-6)
+    plain = rms_norm(x, w, 1e-6)
+    assert fused.dtype == dtype and fused.shape == plain.shape
+    # The statistics are summed in another order: at most one rounding step apart.
+    ulp = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(fused.float(), plain.float(), atol=ulp * 4, rtol=ulp)
+    if dtype != torch.float32:  # float32 carries the last bit of the statistics; half types rarely do
+        assert (fused == plain).float().mean() > 0.99
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleaved", [False, True], ids=["halves", "pairs"])
+@pytest.mark.parametrize("dim", [64, 40, 6])
+def test_rotary_same_bits(dtype, interleaved, dim):
+    inv, factor = _inv_freq(dim, {"rope_theta": 10000.0}, 512)
+    freqs = torch.outer(torch.arange(512, dtype=torch.float), inv)
+    table = (torch.cat((freqs.cos(), freqs.sin()), dim=-1) * factor).to(dtype)
+    g = torch.Generator().manual_seed(dim)
+    qkv = torch.randn(9, 7, dim, generator=g).to(dtype)
+    x = qkv[:, :5]  # the query and key heads of a fused projection: strided rows
+    positions = torch.randint(0, 512, (9,), generator=g)
+    fused = torch.ops.dpserve_cpu.rotary(x, table, positions, interleaved)
+    assert torch.equal(fused, rotate(x, table, positions, interleaved))
