@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 import zmq
 
+from dpserve import cpu_ops
 from dpserve.config import EngineConfig
 from dpserve.models.gguf import resolve_model_path
 from dpserve.worker.loop import STACK_DUMP_SIGNAL, WorkerAddresses, heartbeat_interval, run_worker
@@ -43,8 +44,9 @@ class WorkerFailure(RuntimeError):
 
 
 def prepared(cfg: EngineConfig) -> EngineConfig:
-    """What starting ranks needs first: the device exists, and `cfg` with a GGUF file or the packaged
-    alias converted (once, cached) to a model directory."""
+    """What starting ranks needs first: the device exists, the fused CPU kernels are built (once per
+    machine), and `cfg` with a GGUF file or the packaged alias converted (once, cached) to a model
+    directory."""
     if cfg.nnodes > 1 and not cfg.dist_init_addr:
         raise ValueError("nnodes > 1 needs dist_init_addr=HOST:PORT (node 0's address, reachable by all)")
     if cfg.device == "cuda" and not torch.cuda.is_available():
@@ -60,6 +62,8 @@ def prepared(cfg: EngineConfig) -> EngineConfig:
             f"nnodes={cfg.nnodes}) need {cfg.ranks_per_node} GPUs per node, but this node sees {gpus} "
             "(CUDA_VISIBLE_DEVICES); lower --tp/--dp or add nodes"
         )
+    if cfg.device == "cpu":
+        cpu_ops.load()  # built here, once, before any rank starts a step (the watchdog times steps)
     return dataclasses.replace(cfg, model_path=resolve_model_path(cfg.model_path))
 
 
