@@ -38,7 +38,26 @@ struct Vec {
   Vec operator*(Vec b) const { return {_mm512_mul_ps(v, b.v)}; }
   Vec operator+(Vec b) const { return {_mm512_add_ps(v, b.v)}; }
   Vec operator-(Vec b) const { return {_mm512_sub_ps(v, b.v)}; }
+  Vec operator/(Vec b) const { return {_mm512_div_ps(v, b.v)}; }
+  static Vec max(Vec a, Vec b) { return {_mm512_max_ps(a.v, b.v)}; }
   float sum() const { return _mm512_reduce_add_ps(v); }
+  float max() const { return _mm512_reduce_max_ps(v); }
+  // exp on [-87.3, 88.7] (clamped outside), within 2 ulp: 2^n * p(r), Cephes' polynomial.
+  Vec exp() const {
+    const __m512 x = _mm512_min_ps(_mm512_max_ps(v, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+    return {_mm512_scalef_ps(p, n)};
+  }
 };
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 struct Vec {
@@ -57,6 +76,19 @@ struct Vec {
   Vec operator*(Vec b) const { return {_mm256_mul_ps(v, b.v)}; }
   Vec operator+(Vec b) const { return {_mm256_add_ps(v, b.v)}; }
   Vec operator-(Vec b) const { return {_mm256_sub_ps(v, b.v)}; }
+  Vec operator/(Vec b) const { return {_mm256_div_ps(v, b.v)}; }
+  static Vec max(Vec a, Vec b) { return {_mm256_max_ps(a.v, b.v)}; }
+  float max() const {
+    float lanes[kWidth];
+    store(lanes);
+    return *std::max_element(lanes, lanes + kWidth);
+  }
+  Vec exp() const {
+    float lanes[kWidth];
+    store(lanes);
+    for (float& x : lanes) x = std::exp(x);
+    return load(lanes);
+  }
   float sum() const {
     __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     x = _mm_add_ps(x, _mm_movehl_ps(x, x));
@@ -77,6 +109,10 @@ struct Vec {
   Vec operator*(Vec b) const { return {v * b.v}; }
   Vec operator+(Vec b) const { return {v + b.v}; }
   Vec operator-(Vec b) const { return {v - b.v}; }
+  Vec operator/(Vec b) const { return {v / b.v}; }
+  static Vec max(Vec a, Vec b) { return {std::max(a.v, b.v)}; }
+  float max() const { return v; }
+  Vec exp() const { return {std::exp(v)}; }
   float sum() const { return v; }
 };
 #endif
@@ -238,11 +274,22 @@ void decode_attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, con
         score_block(qf.data(), gs, d, keys.data(), nk, static_cast<float>(scale), scores.data());
         for (int64_t g = 0; g < gs; ++g) {
           float* s = &scores[g * kKeyBlock];
-          float m = run_max[g];
-          for (int64_t l = 0; l < nk; ++l) m = std::max(m, s[l]);
+          constexpr int64_t W = Vec::kWidth;
+          int64_t l = 0;
+          Vec vmax = Vec::set(run_max[g]);
+          for (; l + W <= nk; l += W) vmax = Vec::max(vmax, Vec::load(s + l));
+          float m = vmax.max();
+          for (; l < nk; ++l) m = std::max(m, s[l]);
           const float rescale = std::exp(run_max[g] - m);  // 0 on the first block (-inf)
-          float sum = 0.f;
-          for (int64_t l = 0; l < nk; ++l) {
+          Vec vsum = Vec::zero();
+          const Vec vm = Vec::set(m);
+          for (l = 0; l + W <= nk; l += W) {
+            const Vec e = (Vec::load(s + l) - vm).exp();
+            e.store(s + l);
+            vsum = vsum + e;
+          }
+          float sum = vsum.sum();
+          for (; l < nk; ++l) {
             s[l] = std::exp(s[l] - m);
             sum += s[l];
           }
@@ -394,6 +441,42 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos_sin, const at::Tens
   return out;
 }
 
+// silu(gate) * up for gate_up [..., 2 * inter] (gate first): the MLP's activation, silu rounded to
+// the dtype before the product as F.silu(gate) * up rounds it.
+at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.size(-1) % 2 == 0, "silu_and_mul: an even last dimension (gate | up)");
+  const at::Tensor gu = gate_up.contiguous();
+  const int64_t inter = gu.size(-1) / 2, rows = inter ? gu.numel() / (2 * inter) : 0;
+  std::vector<int64_t> shape(gu.sizes().begin(), gu.sizes().end());
+  shape.back() = inter;
+  at::Tensor out = at::empty(shape, gu.options());
+  dispatch(gu.scalar_type(), "silu_and_mul", [&](auto tag) {
+    using T = decltype(tag);
+    const T* gp = gu.const_data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    at::parallel_for(0, rows, grain(inter), [&](int64_t begin, int64_t end) {
+      constexpr int64_t W = Vec::kWidth;
+      const Vec one = Vec::set(1.f);
+      for (int64_t r = begin; r < end; ++r) {
+        const T *g = gp + r * 2 * inter, *u = g + inter;
+        T* dst = op + r * inter;
+        int64_t j = 0;
+        for (; j + W <= inter; j += W) {
+          const Vec x = Vec::load(g + j);
+          const Vec act = rounded<T>(x / (one + (Vec::zero() - x).exp()));
+          store_as(act * Vec::load(u + j), dst + j);
+        }
+        for (; j < inter; ++j) {
+          const float x = static_cast<float>(g[j]);
+          const T act = round_to<T>(x / (1.f + std::exp(-x)));
+          dst[j] = round_to<T>(static_cast<float>(act) * static_cast<float>(u[j]));
+        }
+      }
+    });
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(dpserve_cpu, m) {
@@ -401,10 +484,12 @@ TORCH_LIBRARY(dpserve_cpu, m) {
         "Tensor seq_lens, float scale, int v_dim) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("rotary(Tensor x, Tensor cos_sin, Tensor positions, bool interleaved) -> Tensor");
+  m.def("silu_and_mul(Tensor gate_up) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(dpserve_cpu, CPU, m) {
   m.impl("decode_attention", &decode_attention);
   m.impl("rms_norm", &rms_norm);
   m.impl("rotary", &rotary);
+  m.impl("silu_and_mul", &silu_and_mul);
 }

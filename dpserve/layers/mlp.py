@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from dpserve import cpu_ops
 from dpserve.layers.ep_dispatch import dispatch_combine
 from dpserve.layers.linear import Linear
 from dpserve.memory import moe_chunk_rows
@@ -30,8 +31,15 @@ class MLP(nn.Module):
     def forward(
         self, x: torch.Tensor, layout: StepLayout | None = None, real_rows: torch.Tensor | None = None
     ) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of [..., gate | up]: one fused kernel on the CPU."""
+    if cpu_ops.usable(gate_up):
+        return torch.ops.dpserve_cpu.silu_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def select_experts(
@@ -177,7 +185,6 @@ def experts_loop(
         if not 0 <= e < w13.shape[0]:
             continue
         rows, slot = torch.where(ids == e)
-        gate, up = F.linear(x[rows], w13[e]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2[e])
+        y = F.linear(silu_and_mul(F.linear(x[rows], w13[e])), w2[e])
         out.index_add_(0, rows, y * weights[rows, slot, None].to(y.dtype))
     return out
