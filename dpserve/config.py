@@ -3,7 +3,7 @@
 Each field is declared once, with its default and its help: the `Engine` keywords are the fields,
 and `dpserve.cli` builds the launch_server / benchmark flags (names, defaults, choices, --help)
 from the same table. Building a config validates it and touches nothing on disk (a GGUF model is
-converted where the engine starts).
+converted where the engine starts), but for `--dtype auto` on a CPU, whose GEMM probe is cached.
 """
 
 from __future__ import annotations
@@ -47,16 +47,6 @@ def graph_batch_sizes(max_bs: int) -> list[int]:
     return [*sizes, max_bs]
 
 
-def cpu_has_native_bfloat16() -> bool:
-    """AMX or AVX512-BF16: bfloat16 matmuls run natively, several times faster than float32."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = set(next((line for line in f if line.startswith("flags")), "").split())
-    except OSError:
-        return False
-    return bool(flags & {"amx_bf16", "avx512_bf16"})
-
-
 @dataclass
 class EngineConfig:
     """Everything an engine instance needs; validated on construction."""
@@ -69,8 +59,8 @@ class EngineConfig:
     )
     dtype: str = option(
         "auto",
-        "weights and activations; auto: bfloat16 on GPU and on CPUs with native bfloat16 (AMX or "
-        "AVX512-BF16), else float32",
+        "weights and activations; auto: bfloat16 on GPU, and on a CPU where a bfloat16 GEMM probe "
+        "(about a second, once per machine, cached) beats float32; else float32",
         choices=("auto", *DTYPES),
     )
     device: str = option("auto", "auto: cuda if available, else cpu", choices=("auto", "cpu", "cuda"))
@@ -334,7 +324,9 @@ class EngineConfig:
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.dtype == "auto":
-            self.dtype = "bfloat16" if self.device == "cuda" or cpu_has_native_bfloat16() else "float32"
+            from dpserve.dtype_probe import prefers_bfloat16  # imports the layers: only when asked
+
+            self.dtype = "bfloat16" if self.device == "cuda" or prefers_bfloat16() else "float32"
         if self.attention_backend == "auto":
             self.attention_backend = "triton" if self.device == "cuda" else "torch"
 

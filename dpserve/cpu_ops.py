@@ -43,7 +43,7 @@ def load() -> bool:
 
     # One build per torch version and CPU (model and instruction sets): -march=native code runs only
     # where it was built.
-    directory = cache_root() / "cpu_ops" / f"torch{torch.__version__}-{_cpu_key()}"
+    directory = cache_root() / "cpu_ops" / f"torch{torch.__version__}-{cpu_key()}"
     directory.mkdir(parents=True, exist_ok=True)
     try:
         build(
@@ -67,7 +67,7 @@ def usable(x: torch.Tensor) -> bool:
     return x.is_cpu and not torch.compiler.is_compiling() and load()
 
 
-def _cpu_key() -> str:
+def cpu_key() -> str:
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:

@@ -7,10 +7,14 @@ test_attention.py."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from dpserve import cpu_ops
+from dpserve.config import EngineConfig
+from dpserve.cpu_ops import cpu_key
 from dpserve.layers.mlp import silu_and_mul
 from dpserve.layers.norm import rms_norm
 from dpserve.layers.rotary import _inv_freq, rotate
@@ -69,3 +73,21 @@ def test_silu_and_mul(dtype, shape):
     if dtype != torch.float32:
         assert (fused == plain).float().mean() > 0.99
     assert torch.equal(silu_and_mul(gate_up), fused)  # the MLP's own entry point runs the kernel
+
+
+def test_dtype_auto_follows_the_cached_probe(tmp_path, monkeypatch):
+    """`--dtype auto` on the CPU: a probe of this machine's bfloat16 and float32 GEMMs, run once and
+    cached per CPU and torch version, decides; the cached verdict is what later starts read."""
+    monkeypatch.setenv("DPSERVE_CACHE", str(tmp_path))
+    fresh = EngineConfig(model_path="m", device="cpu").dtype
+    cache = json.loads((tmp_path / "dtype_probe.json").read_text())
+    ((key, times),) = cache.items()
+    assert (
+        key == f"torch{torch.__version__}-{cpu_key()}" and times["bfloat16_s"] > 0 and times["float32_s"] > 0
+    )
+    assert fresh == ("bfloat16" if times["bfloat16_s"] < times["float32_s"] else "float32")
+    for bf16_s, f32_s, dtype in ((2.0, 1.0, "float32"), (1.0, 2.0, "bfloat16")):
+        cache[key] = {"bfloat16_s": bf16_s, "float32_s": f32_s}
+        (tmp_path / "dtype_probe.json").write_text(json.dumps(cache))
+        assert EngineConfig(model_path="m", device="cpu").dtype == dtype
+    assert EngineConfig(model_path="m", device="cpu", dtype="float16").dtype == "float16"  # asked: kept
