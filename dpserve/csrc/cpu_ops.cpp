@@ -357,13 +357,18 @@ inline T round_to(float x) {
 // Rows small enough to run on one thread, so that a decode step's few rows pay no thread wake-up.
 inline int64_t grain(int64_t row_elems) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, row_elems)); }
 
-// weight * (x * rsqrt(mean(x^2) + eps)), statistics in float32 (RMSNorm of dpserve/layers/norm.py).
+// weight * (x * rsqrt(mean(x^2) + eps)), statistics in float32 (RMSNorm of dpserve/layers/norm.py):
+// the same bits as the eager form.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.scalar_type() == weight.scalar_type() && weight.dim() == 1 && x.size(-1) == weight.size(0),
               "rms_norm: x [..., d] and weight [d] of one dtype");
   const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
   at::Tensor out = at::empty_like(xc);
   const int64_t d = x.size(-1), rows = d ? xc.numel() / d : 0;
+  // The statistics by the eager form's own ATen ops (their summation order decides the last bit, and
+  // a greedy decode can follow that bit), the rest in one pass.
+  const at::Tensor stats = xc.to(at::kFloat).pow(2).mean(-1).contiguous();
+  const float* mean_squares = stats.const_data_ptr<float>();
   dispatch(x.scalar_type(), "rms_norm", [&](auto tag) {
     using T = decltype(tag);
     const T *xp = xc.const_data_ptr<T>(), *wp = wc.const_data_ptr<T>();
@@ -372,15 +377,8 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
       for (int64_t r = begin; r < end; ++r) {
         const T* row = xp + r * d;
         constexpr int64_t W = Vec::kWidth;
-        Vec squares = Vec::zero();
+        const float inv = 1.f / std::sqrt(mean_squares[r] + static_cast<float>(eps));
         int64_t j = 0;
-        for (; j + W <= d; j += W) {
-          const Vec v = Vec::load(row + j);
-          squares = Vec::fma(v, v, squares);
-        }
-        float sum = squares.sum();
-        for (int64_t k = j; k < d; ++k) sum += static_cast<float>(row[k]) * static_cast<float>(row[k]);
-        const float inv = 1.f / std::sqrt(sum / static_cast<float>(d) + static_cast<float>(eps));
         T* dst = op + r * d;
         for (j = 0; j + W <= d; j += W)
           store_as(Vec::load(wp + j) * rounded<T>(Vec::load(row + j) * Vec::set(inv)), dst + j);
@@ -441,40 +439,12 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos_sin, const at::Tens
   return out;
 }
 
-// silu(gate) * up for gate_up [..., 2 * inter] (gate first): the MLP's activation, silu rounded to
-// the dtype before the product as F.silu(gate) * up rounds it.
+// silu(gate) * up for gate_up [..., 2 * inter] (gate first): the MLP's activation, by ATen's own
+// kernels (the same bits as F.silu(gate) * up) without a Python call per op.
 at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   TORCH_CHECK(gate_up.size(-1) % 2 == 0, "silu_and_mul: an even last dimension (gate | up)");
-  const at::Tensor gu = gate_up.contiguous();
-  const int64_t inter = gu.size(-1) / 2, rows = inter ? gu.numel() / (2 * inter) : 0;
-  std::vector<int64_t> shape(gu.sizes().begin(), gu.sizes().end());
-  shape.back() = inter;
-  at::Tensor out = at::empty(shape, gu.options());
-  dispatch(gu.scalar_type(), "silu_and_mul", [&](auto tag) {
-    using T = decltype(tag);
-    const T* gp = gu.const_data_ptr<T>();
-    T* op = out.data_ptr<T>();
-    at::parallel_for(0, rows, grain(inter), [&](int64_t begin, int64_t end) {
-      constexpr int64_t W = Vec::kWidth;
-      const Vec one = Vec::set(1.f);
-      for (int64_t r = begin; r < end; ++r) {
-        const T *g = gp + r * 2 * inter, *u = g + inter;
-        T* dst = op + r * inter;
-        int64_t j = 0;
-        for (; j + W <= inter; j += W) {
-          const Vec x = Vec::load(g + j);
-          const Vec act = rounded<T>(x / (one + (Vec::zero() - x).exp()));
-          store_as(act * Vec::load(u + j), dst + j);
-        }
-        for (; j < inter; ++j) {
-          const float x = static_cast<float>(g[j]);
-          const T act = round_to<T>(x / (1.f + std::exp(-x)));
-          dst[j] = round_to<T>(static_cast<float>(act) * static_cast<float>(u[j]));
-        }
-      }
-    });
-  });
-  return out;
+  const int64_t inter = gate_up.size(-1) / 2;
+  return at::silu(gate_up.narrow(-1, 0, inter)).mul_(gate_up.narrow(-1, inter, inter));
 }
 
 }  // namespace
