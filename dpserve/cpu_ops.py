@@ -68,6 +68,7 @@ def usable(x: torch.Tensor) -> bool:
 
 
 def cpu_key() -> str:
+    """This CPU's model name and instruction sets, hashed: what code built or measured here depends on."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:

@@ -1,9 +1,10 @@
 """The CPU backend: plain PyTorch, each kind of request by what was measured fastest for it
 (docs/benchmarks.md, "Attention on the CPU"):
 
-- one query (decode rows, a verify step's rows, padded rows): two batched matmuls in all, over
-  (row, KV head) pairs, the query heads of a KV head together (MLA: every head on the one latent),
-  softmax in float32. The keys are gathered already grouped by KV head, so every matmul operand is
+- one query (decode rows, a verify step's rows, padded rows): grouped-query attention by the fused
+  kernel of dpserve/csrc/cpu_ops.cpp where it is built; MLA, and GQA without it, by two batched
+  matmuls in all, over (row, KV head) pairs, the query heads of a KV head together (MLA: every head
+  on the one latent), softmax in float32. The keys are gathered already grouped by KV head, so every matmul operand is
   contiguous: a bfloat16 bmm on the CPU costs ~20 us a call whatever its size, and several times
   more on strided operands. PyTorch's SDPA kernel is erratic for a single query (two orders slower
   with one KV head, MLA's included).
@@ -108,7 +109,7 @@ class _Keys:
         values from `v_cache`, or (MLA) the keys' first `v_dim` columns. Grouped-query attention
         runs the fused CPU kernel where it is built (no gathered copy of the keys); MLA's many heads
         on one latent are a matrix product, faster on oneDNN's kernels from batch 16 on (measured)."""
-        if v_cache is not None and q.is_cpu and cpu_ops.load():
+        if v_cache is not None and cpu_ops.usable(q):
             m = self.meta
             return torch.ops.dpserve_cpu.decode_attention(
                 q, k_cache, v_cache, m.req_to_token, m.req_idx, m.seq_lens, scale, v_dim

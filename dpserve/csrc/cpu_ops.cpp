@@ -1,8 +1,8 @@
 // Fused CPU kernels for decode steps (dpserve/cpu_ops.py builds and loads them).
 //
 // Each replaces a chain of small ATen ops whose fixed per-call cost, not their arithmetic, made up
-// most of a CPU decode step (docs/benchmarks.md, "Fused CPU kernels"). Arithmetic in float32,
-// results rounded once to the tensors' dtype.
+// most of a CPU decode step (docs/benchmarks.md, "Fused CPU kernels"). Attention computes in float32
+// and rounds once, its output; the elementwise kernels round as the eager forms do (below).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -38,7 +38,6 @@ struct Vec {
   Vec operator*(Vec b) const { return {_mm512_mul_ps(v, b.v)}; }
   Vec operator+(Vec b) const { return {_mm512_add_ps(v, b.v)}; }
   Vec operator-(Vec b) const { return {_mm512_sub_ps(v, b.v)}; }
-  Vec operator/(Vec b) const { return {_mm512_div_ps(v, b.v)}; }
   static Vec max(Vec a, Vec b) { return {_mm512_max_ps(a.v, b.v)}; }
   float sum() const { return _mm512_reduce_add_ps(v); }
   float max() const { return _mm512_reduce_max_ps(v); }
@@ -76,7 +75,6 @@ struct Vec {
   Vec operator*(Vec b) const { return {_mm256_mul_ps(v, b.v)}; }
   Vec operator+(Vec b) const { return {_mm256_add_ps(v, b.v)}; }
   Vec operator-(Vec b) const { return {_mm256_sub_ps(v, b.v)}; }
-  Vec operator/(Vec b) const { return {_mm256_div_ps(v, b.v)}; }
   static Vec max(Vec a, Vec b) { return {_mm256_max_ps(a.v, b.v)}; }
   float max() const {
     float lanes[kWidth];
@@ -109,7 +107,6 @@ struct Vec {
   Vec operator*(Vec b) const { return {v * b.v}; }
   Vec operator+(Vec b) const { return {v + b.v}; }
   Vec operator-(Vec b) const { return {v - b.v}; }
-  Vec operator/(Vec b) const { return {v / b.v}; }
   static Vec max(Vec a, Vec b) { return {std::max(a.v, b.v)}; }
   float max() const { return v; }
   Vec exp() const { return {std::exp(v)}; }
@@ -225,7 +222,7 @@ void accumulate_block(const float* p, const T* const* values, int64_t nk, float*
 
 // One query per row. Row i attends to the first seq_lens[i] slots of req_to_token[req_idx[i]]; the
 // query heads of a KV head read each of its keys once. Work is split over (row, KV head, block of
-// query heads), so that one row with one KV head (MLA) still keeps every thread busy.
+// query heads), so that one row with one KV head still keeps every thread busy.
 template <typename T>
 void decode_attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                              const at::Tensor& req_to_token, const at::Tensor& req_idx,
@@ -233,11 +230,9 @@ void decode_attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, con
   const int64_t n = q.size(0), heads = q.size(1), d = q.size(2);
   const int64_t kv_heads = k_cache.size(1), group = heads / kv_heads;
   const int64_t table_stride = req_to_token.stride(0);
-  const bool shared = !v_cache.defined();  // MLA: values are the keys' first v_dim columns
-  const int64_t v_stride = shared ? d : v_dim;
   const T* qp = q.const_data_ptr<T>();
   const T* kp = k_cache.const_data_ptr<T>();
-  const T* vp = shared ? kp : v_cache.const_data_ptr<T>();
+  const T* vp = v_cache.const_data_ptr<T>();
   const int32_t* table = req_to_token.const_data_ptr<int32_t>();
   const int32_t* rows = req_idx.const_data_ptr<int32_t>();
   const int32_t* lens = seq_lens.const_data_ptr<int32_t>();
@@ -269,7 +264,7 @@ void decode_attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, con
         for (int64_t l = 0; l < nk; ++l) {
           const int64_t slot = slots[b0 + l];
           keys[l] = kp + (slot * kv_heads + h) * d;
-          values[l] = vp + (slot * kv_heads + h) * v_stride;
+          values[l] = vp + (slot * kv_heads + h) * v_dim;
         }
         score_block(qf.data(), gs, d, keys.data(), nk, static_cast<float>(scale), scores.data());
         for (int64_t g = 0; g < gs; ++g) {
@@ -320,26 +315,22 @@ void dispatch(at::ScalarType dtype, const char* name, F&& f) {
   }
 }
 
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const std::optional<at::Tensor>& v_cache,
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& req_to_token, const at::Tensor& req_idx, const at::Tensor& seq_lens,
                             double scale, int64_t v_dim) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3, "decode_attention: q [n, heads, d], k_cache [slots, kv_heads, d]");
   TORCH_CHECK(k_cache.is_contiguous() && req_to_token.scalar_type() == at::kInt && req_to_token.stride(1) == 1,
               "decode_attention: a contiguous cache and an int32 request-to-slot table");
   TORCH_CHECK(q.size(2) == k_cache.size(2) && q.size(1) % k_cache.size(1) == 0, "decode_attention: head shapes");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "decode_attention: q and the cache in one dtype");
-  at::Tensor v;
-  if (v_cache.has_value()) {
-    v = *v_cache;
-    TORCH_CHECK(v.is_contiguous() && v.size(1) == k_cache.size(1) && v.size(2) == v_dim, "decode_attention: v_cache");
-  } else {
-    TORCH_CHECK(k_cache.size(1) == 1 && v_dim <= k_cache.size(2), "decode_attention: shared keys and values");
-  }
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "decode_attention: q and the caches in one dtype");
+  TORCH_CHECK(v_cache.is_contiguous() && v_cache.size(1) == k_cache.size(1) && v_cache.size(2) == v_dim,
+              "decode_attention: v_cache [slots, kv_heads, v_dim]");
   const at::Tensor qc = q.contiguous(), rows = req_idx.to(at::kInt).contiguous();
   const at::Tensor lens = seq_lens.to(at::kInt).contiguous();
   at::Tensor out = at::empty({q.size(0), q.size(1), v_dim}, q.options());
   dispatch(q.scalar_type(), "decode_attention", [&](auto tag) {
-    decode_attention_kernel<decltype(tag)>(qc, k_cache, v, req_to_token, rows, lens, scale, v_dim, out);
+    decode_attention_kernel<decltype(tag)>(qc, k_cache, v_cache, req_to_token, rows, lens, scale, v_dim, out);
   });
   return out;
 }
@@ -378,9 +369,9 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
         const T* row = xp + r * d;
         constexpr int64_t W = Vec::kWidth;
         const float inv = 1.f / std::sqrt(mean_squares[r] + static_cast<float>(eps));
-        int64_t j = 0;
         T* dst = op + r * d;
-        for (j = 0; j + W <= d; j += W)
+        int64_t j = 0;
+        for (; j + W <= d; j += W)
           store_as(Vec::load(wp + j) * rounded<T>(Vec::load(row + j) * Vec::set(inv)), dst + j);
         for (; j < d; ++j) {
           const T normed = round_to<T>(static_cast<float>(row[j]) * inv);
@@ -450,7 +441,7 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
 }  // namespace
 
 TORCH_LIBRARY(dpserve_cpu, m) {
-  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor? v_cache, Tensor req_to_token, Tensor req_idx, "
+  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor req_to_token, Tensor req_idx, "
         "Tensor seq_lens, float scale, int v_dim) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("rotary(Tensor x, Tensor cos_sin, Tensor positions, bool interleaved) -> Tensor");
