@@ -1,13 +1,16 @@
-"""Linear layers on the CPU in bfloat16 run on weights packed once for oneDNN: the same bits as
-F.linear on the plain weight, at every row count, with the plain weight's storage freed."""
+"""Linear layers and MoE experts on the CPU in bfloat16 run on weights packed once for oneDNN: the
+same bits as F.linear on the plain weights, at every row count, with the plain weights' storage freed."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from dpserve.layers.linear import Linear, pack_linears_for_cpu
+from dpserve.layers.mlp import MoE
 
 pytestmark = pytest.mark.skipif(
     not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="this CPU has no oneDNN bfloat16"
@@ -39,3 +42,39 @@ def test_only_packable_bfloat16_cpu_layers_are_packed():
     model = torch.nn.ModuleList([linear(False), linear(False, torch.float32), linear(False, packable=False)])
     assert pack_linears_for_cpu(model) == 1
     assert model[0].weight is None and model[1].weight is not None and model[2].weight is not None
+
+
+def moe(dtype: torch.dtype = torch.bfloat16) -> MoE:
+    cfg = SimpleNamespace(
+        hidden_size=96,
+        n_routed_experts=6,
+        num_experts_per_tok=2,
+        topk_method="greedy",
+        scoring_func="softmax",
+        n_group=None,
+        topk_group=None,
+        norm_topk_prob=False,
+        routed_scaling_factor=1.0,
+    )
+    layer = MoE(cfg, intermediate_local=40, shared_local=24)
+    g = torch.Generator().manual_seed(5)
+    for p in layer.parameters():
+        p.data = (torch.randn(p.shape, generator=g) / 8).to(torch.float32 if p is layer.gate else dtype)
+    return layer
+
+
+def test_packed_experts_give_the_same_bits():
+    """Every local expert is packed (with the shared experts' linears), the stacked weights freed,
+    and the layer's output is unchanged at every row count, several experts per row."""
+    layer = moe()
+    inputs = [torch.randn(rows, 96).to(torch.bfloat16) for rows in (0, 1, 5, 64)]
+    expected = [layer(x) for x in inputs]
+    assert pack_linears_for_cpu(layer) == 3  # the experts, the shared experts' gate_up and down
+    assert layer.w13 is None and layer.w2 is None and [len(p) for p in layer.packed] == [6, 6]
+    for x, want in zip(inputs, expected, strict=True):
+        assert torch.equal(layer(x), want), x.shape
+
+
+def test_float32_experts_are_not_packed():
+    layer = moe(torch.float32)
+    assert not layer.pack_for_cpu() and layer.packed is None and layer.w13 is not None

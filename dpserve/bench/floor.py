@@ -108,8 +108,9 @@ def gemm_candidates(x: torch.Tensor, w: torch.Tensor) -> dict[str, Callable[[], 
 
 
 def engine_kernel(layer: torch.nn.Module | None, dtype: torch.dtype, device: str) -> str:
-    """The kernel the engine runs for `layer` (a Linear; None for the LM head and the experts, which
-    run F.linear): oneDNN on its packed weight where `Linear.pack_for_cpu` packs it."""
+    """The kernel the engine runs for `layer` (a Linear; None for the LM head, which runs F.linear):
+    oneDNN on its packed weight where `Linear.pack_for_cpu` packs it (and `MoE.pack_for_cpu` the
+    routed experts, which this table leaves aside)."""
     return ONEDNN_PACKED if isinstance(layer, Linear) and layer.packs(dtype, device) else ATEN
 
 

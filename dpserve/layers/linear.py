@@ -16,7 +16,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            return packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def packs(self, dtype: torch.dtype, device_type: str) -> bool:
@@ -31,9 +31,19 @@ class Linear(nn.Module):
         w = self.weight
         if w is None or not self.packs(w.dtype, w.device.type):
             return False
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
+        self.packed = pack(w)
         self.weight = None  # its storage goes: the packed copy replaces it
         return True
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [out, in] reordered into oneDNN's blocked layout, for `packed_linear`."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear on a weight `pack` reordered: the same bits."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 def onednn_packs(dtype: torch.dtype, device_type: str) -> bool:
@@ -42,5 +52,6 @@ def onednn_packs(dtype: torch.dtype, device_type: str) -> bool:
 
 
 def pack_linears_for_cpu(model: nn.Module) -> int:
-    """Packs every packable Linear of `model` (after its weights are loaded); returns how many."""
-    return sum(m.pack_for_cpu() for m in model.modules() if isinstance(m, Linear))
+    """Packs every packable Linear of `model` and every MoE layer's experts (anything with a
+    `pack_for_cpu`, after the weights are loaded); returns how many modules were packed."""
+    return sum(m.pack_for_cpu() for m in model.modules() if hasattr(m, "pack_for_cpu"))

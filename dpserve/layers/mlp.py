@@ -4,6 +4,8 @@ all_to_all dispatch) return each rank's own rows finished."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -11,7 +13,7 @@ from torch.distributed import ProcessGroup
 
 from dpserve import cpu_ops
 from dpserve.layers.ep_dispatch import dispatch_combine
-from dpserve.layers.linear import Linear
+from dpserve.layers.linear import Linear, onednn_packs, pack, packed_linear
 from dpserve.memory import moe_chunk_rows
 from dpserve.step.records import StepLayout
 
@@ -108,6 +110,9 @@ class MoE(nn.Module):
         n = self.num_experts
         self.w13 = nn.Parameter(torch.empty(n, 2 * intermediate_local, h), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(n, h, intermediate_local), requires_grad=False)
+        self.intermediate_local = intermediate_local
+        # Each expert's w13 and w2 in oneDNN's layout (pack_for_cpu), replacing the two tensors.
+        self.packed: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
         # all_to_all dispatch over WORLD: every rank keeps its own rows, and runs the shared experts
         # on them whole rather than gathering rows for a split (no collective for them at all).
         self.a2a, self.world_group = a2a, world_group
@@ -136,7 +141,9 @@ class MoE(nn.Module):
             )
             return out.add_(routed)
         # Every group's rows (dp x the step's tokens): router and experts a bounded chunk at a time.
-        step = moe_chunk_rows(x.shape[1], self.w2.shape[2], self.top_k, self.gate.shape[0], x.element_size())
+        step = moe_chunk_rows(
+            x.shape[1], self.intermediate_local, self.top_k, self.gate.shape[0], x.element_size()
+        )
         for lo in range(0, x.shape[0], step):
             rows = slice(lo, lo + step)
             weights, ids = self._route(x[rows], None if real_rows is None else real_rows[rows])
@@ -168,7 +175,19 @@ class MoE(nn.Module):
             from dpserve.layers.fused_moe import fused_experts  # Triton, imported where it runs
 
             return fused_experts(x, self.w13, self.w2, weights, ids)
+        if self.packed is not None:
+            return experts_loop(x, *self.packed, weights, ids, packed_linear)
         return experts_loop(x, self.w13, self.w2, weights, ids)
+
+    def pack_for_cpu(self) -> bool:
+        """Reorders every local expert's weights once for oneDNN and frees the stacked tensors, as
+        `Linear.pack_for_cpu` does (F.linear would reorder them at every call); the same bits. False
+        where not packed: another device or dtype, or no native bfloat16."""
+        if self.w13 is None or not onednn_packs(self.w13.dtype, self.w13.device.type):
+            return False
+        self.packed = ([pack(w) for w in self.w13], [pack(w) for w in self.w2])
+        self.w13 = self.w2 = None  # their storage goes: the packed copies replace them
+        return True
 
     def _unweighted(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Each row through its one local expert (-1: none, zero output), as a dispatch delivers them."""
@@ -176,15 +195,21 @@ class MoE(nn.Module):
 
 
 def experts_loop(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    x: torch.Tensor,
+    w13: Sequence[torch.Tensor],
+    w2: Sequence[torch.Tensor],
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear,
 ) -> torch.Tensor:
     """The routed experts' weighted sum per row, each chosen expert on its own rows (ids outside
-    [0, experts) skipped): the CPU path, and the reference of the fused kernels."""
+    [0, experts) skipped): the CPU path, and the reference of the fused kernels. `w13`, `w2`: per
+    expert, stacked or packed for `linear`."""
     out = torch.zeros_like(x)
     for e in ids.unique().tolist():
-        if not 0 <= e < w13.shape[0]:
+        if not 0 <= e < len(w13):
             continue
         rows, slot = torch.where(ids == e)
-        y = F.linear(silu_and_mul(F.linear(x[rows], w13[e])), w2[e])
+        y = linear(silu_and_mul(linear(x[rows], w13[e])), w2[e])
         out.index_add_(0, rows, y * weights[rows, slot, None].to(y.dtype))
     return out
