@@ -13,6 +13,7 @@ from dataclasses import MISSING, dataclass, field, fields
 import torch
 
 from dpserve.distributed import Topology
+from dpserve.grammar import GRAMMAR_BACKENDS
 from dpserve.memory import DEFAULT_MEM_FRACTION_STATIC
 
 PADDING_MODES = ("auto", "sum_len", "max_len")
@@ -240,6 +241,25 @@ class EngineConfig:
         "tokens verified per request and step: --speculative-num-steps + 1 (chains; the default)",
         positive=True,
     )
+    grammar_backend: str = option(
+        "xgrammar",
+        "structured output (json_schema, regex, ebnf, response_format): xgrammar compiles each "
+        "grammar on its DP group's leader, off the step loop, and masks the tokens it forbids before "
+        "sampling; none refuses such requests",
+        choices=GRAMMAR_BACKENDS,
+        section="structured output",
+    )
+    grammar_max_whitespace: int = option(
+        16,
+        "most whitespace characters a JSON schema's grammar allows in a row between the JSON's "
+        "tokens, so that a model cannot run to max_tokens on whitespace; 0: none, the JSON written "
+        "compactly (one space after ',' and ':')",
+    )
+    grammar_cache_size: int = option(
+        256,
+        "compiled grammars each DP group keeps, by their text (least recently used dropped)",
+        positive=True,
+    )
     nnodes: int = option(1, "number of nodes the ranks are spread over", positive=True, section="multi-node")
     node_rank: int = option(0, "this node's index; node 0 runs the front end")
     dist_init_addr: str | None = option(
@@ -304,6 +324,8 @@ class EngineConfig:
             self.cuda_graph_bs = sorted(set(self.cuda_graph_bs))
             if not self.cuda_graph_bs:
                 raise ValueError("cuda_graph_bs must list at least one batch size")
+        if self.grammar_max_whitespace < 0:
+            raise ValueError(f"grammar_max_whitespace must be >= 0, got {self.grammar_max_whitespace}")
         if not 0 < self.mem_fraction_static <= 1:
             raise ValueError(f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}")
         if not 0.0 <= self.cache_threshold <= 1.0:

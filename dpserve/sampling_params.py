@@ -17,9 +17,9 @@ MAX_TOP_LOGPROBS = 20
 # A temperature below this samples greedily (vLLM's rule): dividing by a smaller one overflows float32.
 GREEDY_BELOW = 1e-5
 
-# SGLang sampling parameters accepted only at their neutral value (structured output, n > 1 inside
-# one /generate prompt): any other value is refused, naming the parameter.
-NEUTRAL = {"n": (1, None), "regex": (None,), "ebnf": (None,), "json_schema": (None,)}
+# SGLang sampling parameters accepted only at their neutral value (n > 1 inside one /generate
+# prompt): any other value is refused, naming the parameter.
+NEUTRAL = {"n": (1, None)}
 
 
 @dataclass
@@ -44,6 +44,11 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
+    # Structured output (dpserve/grammar.py), one at most: the tokens sampled follow this JSON schema
+    # (as a JSON string), regular expression or EBNF grammar (xgrammar's dialect, rule `root` first).
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     @classmethod
     def from_dict(cls, d: dict | None) -> SamplingParams:
@@ -127,6 +132,10 @@ class SamplingParams:
                 integer(self.top_logprobs_num, 0, MAX_TOP_LOGPROBS),
                 f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}]",
             ),
+        ]
+        checks += [
+            (getattr(self, name) is None or isinstance(getattr(self, name), str), f"{name} must be a string")
+            for name in ("json_schema", "regex", "ebnf")
         ]
         checks += [
             (isinstance(getattr(self, name), bool), f"{name} must be a bool")

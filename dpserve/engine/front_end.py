@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from dpserve.config import EngineConfig
 from dpserve.engine.router import Router
 from dpserve.engine.worker_pool import WorkerPool, prepared
+from dpserve.grammar import check_grammar
 from dpserve.models.config import ModelConfig
 from dpserve.models.loader import CheckpointReader
 from dpserve.sampling_params import SamplingParams
@@ -73,6 +74,7 @@ class FrontEnd:
         if dp_rank is not None:
             self.router.check_pin(dp_rank)
         check_request(input_ids, params, m.vocab_size, m.context_len, self.kv_capacity)
+        check_grammar(params, self.cfg.grammar_backend)
 
     def submit(
         self,

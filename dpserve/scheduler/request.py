@@ -3,8 +3,10 @@ every entry point (HTTP, offline Engine, scheduler) applies before a request may
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from dpserve.grammar import Matcher
 from dpserve.kvcache.radix_cache import Node
 from dpserve.sampling_params import SamplingParams
 
@@ -45,6 +47,9 @@ class Req:
     retractions: int = 0
     protected: bool = False  # admitted with its whole need reserved: never retracted again
     spec_verify_ct: int = 0  # decode steps with speculative decoding on (accept length: tokens / steps)
+    # Structured output: its grammar being compiled, then its matcher (made when first admitted).
+    compiled: Future | None = None
+    matcher: Matcher | None = None
 
     @property
     def kv_len(self) -> int:

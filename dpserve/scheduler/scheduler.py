@@ -25,15 +25,18 @@ from __future__ import annotations
 import logging
 import random
 from collections import deque
+from itertools import accumulate
 
 import torch
 
+from dpserve.grammar import COUNTERS as GRAMMAR_COUNTERS
+from dpserve.grammar import GrammarCache, Matcher, grammar_key, token_bitmask
 from dpserve.kvcache.allocator import SlotAllocator
 from dpserve.kvcache.radix_cache import RadixTree
 from dpserve.scheduler.request import GenerateRequest, Req, check_request, max_kv_len
 from dpserve.speculative.ngram import propose_ngram
 from dpserve.step.records import BatchReq, DraftBatch, DraftReq, GroupBatch
-from dpserve.worker.sampler import Penalties, TokenCounts
+from dpserve.worker.sampler import GrammarMask, Penalties, TokenCounts
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +77,7 @@ class Scheduler:
         device: torch.device | str = "cpu",  # the logits' device (penalty counts live there)
         num_drafts: int = 0,  # speculative tokens per decoding request and step; 0: off
         speculative_algorithm: str = "NGRAM",  # NGRAM or NEXTN (drafts handed in by `set_drafts`)
+        grammars: GrammarCache | None = None,  # structured output; None: --grammar-backend none
     ):
         self.dp_rank, self.device, self.num_drafts = dp_rank, torch.device(device), num_drafts
         self.nextn = num_drafts > 0 and speculative_algorithm == "NEXTN"
@@ -84,6 +88,7 @@ class Scheduler:
         self.context_len, self.vocab_size = context_len, vocab_size
         self.eos_ids = set(eos_ids)
         self.allocator = SlotAllocator(kv_capacity)
+        self.grammars = grammars
         self.tree = RadixTree() if radix_cache else None
         self.free_rows = list(range(max_running, 0, -1))  # row 0 is the padding row
         self.seeds = random.Random(seed + dp_rank)  # of requests without their own
@@ -109,6 +114,7 @@ class Scheduler:
         )
         self.step_retractions = 0  # in the last schedule() call
         self.admitted: list[tuple[str, int]] = []  # (rid, cached prompt tokens) first admitted by it
+        self.failed: list[dict] = []  # outputs of requests it ended: their grammar did not compile
 
     # --- requests in and out ---------------------------------------------------------------------
 
@@ -121,7 +127,15 @@ class Scheduler:
             return self._output(req, {"type": "abort", "message": str(e)})
         seed = self.seeds.getrandbits(64) if msg.params.seed is None else msg.params.seed
         max_len = max_kv_len(len(msg.input_ids), msg.params, self.context_len)
-        self.waiting.append(Req(msg.rid, msg.input_ids, msg.params, msg.return_logprob, max_len, seed))
+        req = Req(msg.rid, msg.input_ids, msg.params, msg.return_logprob, max_len, seed)
+        key = grammar_key(msg.params)
+        if key is not None:
+            if self.grammars is None:
+                return self._output(
+                    req, {"type": "abort", "message": "no grammar backend", "status_code": 400}
+                )
+            req.compiled = self.grammars.get(key)  # compiled meanwhile: the request waits, not the batch
+        self.waiting.append(req)
         return None
 
     def abort(self, rid: str) -> dict | None:
@@ -133,7 +147,7 @@ class Scheduler:
     # --- scheduling ------------------------------------------------------------------------------
 
     def schedule(self) -> GroupBatch:
-        self.step_retractions, self.admitted = 0, []
+        self.step_retractions, self.admitted, self.failed = 0, [], []
         decoding = self._make_room([r for r in self.running if r.prefill_done])
         batch, self._step_reqs, self._prefilled = GroupBatch(), [], []
         self._batch = batch
@@ -141,13 +155,14 @@ class Scheduler:
         budget = self.chunk_size
         for req in [r for r in self.running if not r.prefill_done]:  # a chunked prompt continues first
             budget -= self._add_chunk(batch, req, budget, reserved=len(decoding))
-        while (
-            self.waiting
-            and budget > 0
-            and len(self.running) < self.max_running
-            and self._admit(self.waiting[0], reserved=len(decoding))
-        ):
-            req = self.waiting.popleft()
+        for req in list(self.waiting):  # in order; those whose grammar is being compiled wait aside
+            if budget <= 0 or len(self.running) >= self.max_running:
+                break
+            if not self._grammar_ready(req):
+                continue
+            if not self._admit(req, reserved=len(decoding)):
+                break
+            self.waiting.remove(req)
             budget -= self._add_chunk(batch, req, budget, reserved=len(decoding))
         spare = self.available - len(decoding)
         for req in decoding:
@@ -173,6 +188,26 @@ class Scheduler:
         elif batch.reqs:
             self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         return batch
+
+    def _grammar_ready(self, req: Req) -> bool:
+        """Whether `req` may be admitted: it has no grammar, or its grammar is compiled (its matcher
+        is made then). A grammar that failed to compile ends the request."""
+        if req.compiled is None or req.matcher is not None:
+            return True
+        if not req.compiled.done():
+            return False
+        error = req.compiled.exception()
+        if error is not None:
+            reason = {"type": "abort", "message": f"the grammar did not compile: {error}", "status_code": 400}
+            self.failed.append(self._finish(req, reason))
+            return False
+        req.matcher = Matcher(req.compiled.result(), self._stop_ids(req))
+        return True
+
+    @property
+    def compiling(self) -> bool:
+        """Whether a queued request waits for its grammar."""
+        return any(r.compiled is not None and not r.compiled.done() for r in self.waiting)
 
     def _propose(self, req: Req, spare: int) -> list[int]:
         """Draft tokens for `req`: no more than the spare slots, nor than it may still generate
@@ -323,10 +358,12 @@ class Scheduler:
 
     # --- after the forward -----------------------------------------------------------------------
 
-    def sampling_inputs(self) -> tuple[list, list[tuple[int, int]], list[list[int]], Penalties | None]:
-        """Sampling parameters, random keys (seed, tokens generated), drafts and penalties of the
-        last batch's requests that sample (penalties: None when none of them uses a penalty or a
-        min_new_tokens floor)."""
+    def sampling_inputs(
+        self,
+    ) -> tuple[list, list[tuple[int, int]], list[list[int]], Penalties | None, GrammarMask | None]:
+        """Sampling parameters, random keys (seed, tokens generated), drafts, penalties and grammar
+        masks of the last batch's requests that sample (penalties: None when none of them uses a
+        penalty or a min_new_tokens floor; masks: None when none has a grammar)."""
         reqs = self._sampled()
         min_left = [max(0, r.params.min_new_tokens - len(r.output_ids)) for r in reqs]
         penalties = None
@@ -342,7 +379,21 @@ class Scheduler:
             [(r.seed, len(r.output_ids)) for r in reqs],
             [r.drafts for r in reqs],
             penalties,
+            self._grammar_mask(reqs),
         )
+
+    def _grammar_mask(self, reqs: list[Req]) -> GrammarMask | None:
+        """The token bitmask of the sampled rows of `reqs` (each request's last token and drafts),
+        filled by the matchers of those with a grammar."""
+        if not any(r.matcher is not None for r in reqs):
+            return None
+        starts = [0, *accumulate(1 + len(r.drafts) for r in reqs)]
+        bitmask, rows = token_bitmask(starts[-1], self.vocab_size), []
+        for req, start, end in zip(reqs, starts, starts[1:], strict=False):
+            if req.matcher is not None:
+                req.matcher.fill(bitmask, start, req.drafts)
+                rows += range(start, end)
+        return GrammarMask(bitmask, rows)
 
     def _stop_ids(self, req: Req) -> list[int]:
         """The tokens that would end the request (min_new_tokens keeps them from being sampled)."""
@@ -381,6 +432,15 @@ class Scheduler:
                 new.append((req.rid, tok, lp, top))
                 emitted += 1
                 reason = self._finish_reason(req, tok)
+                if req.matcher is not None:
+                    if not req.matcher.accept(tok):  # the mask allowed it: never, unless a bug
+                        reason = {
+                            "type": "abort",
+                            "message": f"token {tok} breaks the grammar",
+                            "status_code": 500,
+                        }
+                    elif reason is None and req.matcher.terminated:  # complete, and no stop token to wait for
+                        reason = {"type": "stop", "matched": None}
                 if reason is not None:
                     break
             if reason is None and error is not None:
@@ -436,6 +496,7 @@ class Scheduler:
             "new_token_ratio": self.new_token_ratio,
             "spec_accept_length": 1 + c["spec_accepted_tokens"] / max(c["spec_verify_steps"], 1),
             **c,
+            **(self.grammars.counters if self.grammars is not None else dict.fromkeys(GRAMMAR_COUNTERS, 0)),
         }
 
     def _finish_reason(self, req: Req, tok: int) -> dict | None:

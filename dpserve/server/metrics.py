@@ -59,6 +59,14 @@ PER_DP_RANK = [
         "Mean tokens per speculative verify step (accepted drafts + 1)",
         "spec_accept_length",
     ),
+    ("grammar_compiles", "counter", "Grammars compiled (structured output)", "grammar_compiles"),
+    ("grammar_cache_hits", "counter", "Requests whose grammar was already compiled", "grammar_cache_hits"),
+    (
+        "grammar_compile_seconds",
+        "counter",
+        "Seconds spent compiling grammars, off the step loop",
+        "grammar_compile_seconds",
+    ),
     ("steps_eager", "counter", "Forward steps run unpadded and eagerly", "steps_eager"),
     (
         "steps_padded",

@@ -18,6 +18,7 @@ from typing import Annotated, Any, ClassVar, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 from pydantic_core import PydanticCustomError
 
+from dpserve.grammar import JSON_OBJECT
 from dpserve.sampling_params import (
     INT64_MAX,
     INT64_MIN,
@@ -100,8 +101,6 @@ class StreamOptions(_Strict):
 class _OpenAIRequest(_Strict):
     NEUTRAL: ClassVar[dict[str, tuple]] = {
         "return_hidden_states": (False,),
-        "regex": (None,),
-        "ebnf": (None,),
         "lora_path": (None,),
         "session_params": (None,),
     }
@@ -129,6 +128,10 @@ class _OpenAIRequest(_Strict):
     no_stop_trim: bool = False
     data_parallel_rank: int | None = Field(None, ge=0, le=INT64_MAX)
     user: str | None = None  # no effect
+    # Structured output (SGLang's; dpserve/grammar.py), one at most, response_format included.
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     # Fields OpenAI documents as nullable with a default: null means that default.
     NULL_IS_DEFAULT: ClassVar[tuple[str, ...]] = (
@@ -163,6 +166,11 @@ class _OpenAIRequest(_Strict):
     def top_logprobs_num(self) -> int:
         return 0
 
+    @property
+    def grammar(self) -> dict[str, str | None]:
+        """The structured-output fields of SamplingParams."""
+        return {"json_schema": self.json_schema, "regex": self.regex, "ebnf": self.ebnf}
+
     def sampling_params(self, max_new_tokens: int, choice: int) -> SamplingParams:
         # With n > 1 and a seed, each choice gets its own seed so that choices differ.
         seed = self.seed if self.seed is not None else self.sampling_seed
@@ -184,6 +192,7 @@ class _OpenAIRequest(_Strict):
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             no_stop_trim=self.no_stop_trim,
+            **self.grammar,
         )
 
 
@@ -192,7 +201,6 @@ class CompletionRequest(_OpenAIRequest):
         **_OpenAIRequest.NEUTRAL,
         "best_of": (None, 1),
         "suffix": (None, ""),
-        "json_schema": (None,),
     }
     NULL_IS_DEFAULT: ClassVar[tuple[str, ...]] = (*_OpenAIRequest.NULL_IS_DEFAULT, "max_tokens", "echo")
 
@@ -232,6 +240,35 @@ class ChatMessage(_Strict):
         return {"role": self.role, "content": text}
 
 
+class JsonSchemaFormat(_Strict):
+    """OpenAI's `response_format.json_schema`. The output always follows `schema` (any JSON object
+    when absent), `strict` or not: the grammar is enforced at every token."""
+
+    name: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("response_format.json_schema is required with type json_schema, and only then")
+        return self
+
+    @property
+    def schema_text(self) -> str | None:
+        """The JSON schema the output follows; None for plain text."""
+        if self.type == "text":
+            return None
+        schema = self.json_schema.schema_ if self.json_schema is not None else None
+        return JSON_OBJECT if schema is None else json.dumps(schema)
+
+
 class ChatCompletionRequest(_OpenAIRequest):
     NEUTRAL: ClassVar[dict[str, tuple]] = {
         **_OpenAIRequest.NEUTRAL,
@@ -239,7 +276,6 @@ class ChatCompletionRequest(_OpenAIRequest):
         "tool_choice": (None, "none", "auto"),
         "functions": (None, []),
         "function_call": (None, "none", "auto"),
-        "response_format": (None, {"type": "text"}),
         "reasoning_effort": (None,),
         "modalities": (None, ["text"]),
         "audio": (None,),
@@ -253,6 +289,7 @@ class ChatCompletionRequest(_OpenAIRequest):
     NULL_IS_DEFAULT: ClassVar[tuple[str, ...]] = (*_OpenAIRequest.NULL_IS_DEFAULT, "logprobs")
 
     messages: list[ChatMessage] = Field(min_length=1)
+    response_format: ResponseFormat | None = None
     max_tokens: Count | None = None  # null: up to the context length (OpenAI's default)
     max_completion_tokens: Count | None = None
     logprobs: bool | None = False
@@ -273,11 +310,19 @@ class ChatCompletionRequest(_OpenAIRequest):
             raise ValueError("top_logprobs requires logprobs=true")
         if self.continue_final_message and self.messages[-1].role != "assistant":
             raise ValueError("continue_final_message requires the last message to be the assistant's")
+        if self.json_schema is not None and self.response_format not in (None, ResponseFormat(type="text")):
+            raise ValueError("give response_format or json_schema, not both")
         return self
 
     @property
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def grammar(self) -> dict[str, str | None]:
+        """response_format as a json_schema (`check_grammar` refuses it beside regex or ebnf)."""
+        schema = self.response_format.schema_text if self.response_format is not None else None
+        return super().grammar | ({} if schema is None else {"json_schema": schema})
 
     @property
     def top_logprobs_num(self) -> int:

@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 from dpserve.config import EngineConfig
 from dpserve.distributed import Groups, init_groups
+from dpserve.grammar import GrammarCache
 from dpserve.models.config import ModelConfig
 from dpserve.scheduler.request import GenerateRequest
 from dpserve.scheduler.scheduler import Scheduler
@@ -44,6 +45,7 @@ from dpserve.worker.sampler import sample
 # group's leader whenever a request arrives (`WorkerPool.send(..., wake_all=True)`), so the wait
 # only bounds how often an idle instance checks in, never a request's latency.
 IDLE_WAIT_MS = 500
+GRAMMAR_POLL_MS = 2  # the idle wait while a queued request's grammar compiles
 STEP_LOG_LEN = 100_000
 # The watchdog's signal to a live rank: write every thread's Python stack to stderr (the log).
 STACK_DUMP_SIGNAL = signal.SIGUSR1
@@ -229,6 +231,15 @@ class Worker:
                 device=device,
                 num_drafts=cfg.num_drafts,
                 speculative_algorithm=cfg.speculative_algorithm or "NGRAM",
+                grammars=GrammarCache(
+                    cfg.model_path,
+                    model_cfg.vocab_size,
+                    model_cfg.eos_token_ids,
+                    cfg.grammar_cache_size,
+                    cfg.grammar_max_whitespace,
+                )
+                if cfg.grammar_backend == "xgrammar"
+                else None,
             )
             self.requests = ctx.socket(zmq.PULL)
             self.requests.connect(addrs.requests[self.dp_rank])
@@ -253,10 +264,13 @@ class Worker:
             batch = None
             if self.scheduler is not None:  # 1. the leader schedules
                 self.report = StepReport(self.dp_rank)
-                shutdown |= self._drain(wait_ms=IDLE_WAIT_MS if idle else 0)
+                waiting = self.scheduler.compiling  # then poll often: its grammar may be ready any time
+                shutdown |= self._drain(wait_ms=(GRAMMAR_POLL_MS if waiting else IDLE_WAIT_MS) if idle else 0)
                 batch = self.scheduler.schedule()
                 batch.shutdown = shutdown
                 self.report.cached = self.scheduler.admitted
+                if self.scheduler.failed:
+                    self.report.add([], self.scheduler.failed)
             batch: GroupBatch = share(batch, self.groups)  # 2. the group shares it
             sizes = exchange(batch.sizes(self.runner.policy.can_pad(batch)), self.groups)  # 3. all agree
             if any(s.shutdown for s in sizes):
@@ -270,6 +284,8 @@ class Worker:
                 self.out.send_pyobj(self.report.message(self._stats()))
         self.heartbeat.step_start = None
         logger.info("shutting down")
+        if self.scheduler is not None and self.scheduler.grammars is not None:
+            self.scheduler.grammars.close()
         if self.groups.world is not None:
             torch.distributed.destroy_process_group()
 

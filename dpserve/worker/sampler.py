@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 import torch
 
+from dpserve.grammar import apply_bitmask
 from dpserve.models.batch import stage
 from dpserve.sampling_params import SamplingParams
 from dpserve.speculative.rejection import greedy_accept, rejection_sample
@@ -83,6 +84,14 @@ class Penalties:
     stop_ids: list[list[int]]
 
 
+class GrammarMask(NamedTuple):
+    """The tokens each constrained logits row allows (`dpserve.grammar`: a bitmask with one row per
+    logits row, on the host) and which rows it constrains."""
+
+    bitmask: torch.Tensor
+    rows: list[int]
+
+
 class Samples(NamedTuple):
     """Per request: its new tokens, their log-probabilities under the model's distribution, at
     each new token the `top_logprobs_num` most likely (token, logprob) alternatives (empty lists
@@ -96,8 +105,8 @@ class Samples(NamedTuple):
 
 
 NO_TOKEN = (
-    "no token can be sampled: every logit is -inf or NaN after the request's penalties, logit_bias "
-    "and min_tokens (which forbids its stop tokens)"
+    "no token can be sampled: every logit is -inf or NaN after the request's penalties, logit_bias, "
+    "min_tokens (which forbids its stop tokens) and grammar"
 )
 
 
@@ -107,6 +116,7 @@ def sample(
     keys: list[tuple[int, int]],
     drafts: list[list[int]] | None = None,
     penalties: Penalties | None = None,
+    grammar: GrammarMask | None = None,
 ) -> Samples:
     """Chooses each request's new tokens, with their log-probabilities under the model's
     distribution (before penalties and filters) and the top alternatives asked for.
@@ -118,7 +128,8 @@ def sample(
     by the exponential race (argmax of p / E with E ~ Exp(1)). Request i's randomness is a function
     of keys[i] = (its seed, tokens it generated before this step) and of the row only
     (`uniforms`), so seeded outputs do not depend on the batch they ran in. Penalties, logit bias and
-    the min_new_tokens floor change the logits both choices start from (`adjust_inputs`).
+    the min_new_tokens floor change the logits both choices start from (`adjust_inputs`), then the
+    grammar masks what its rows forbid (a verify step's rows as the drafts before them leave it).
 
     The whole batch costs the same number of device ops whatever its size: the host inputs reach
     the device in one staged copy, the results come back in one transfer (the step's one sync)."""
@@ -141,6 +152,8 @@ def sample(
     logprobs = logits.log_softmax(-1)
     if adjusting:
         logits = adjust_logits(logits, t, penalties.counts if penalties else None)
+    if grammar is not None:
+        apply_bitmask(logits, *grammar)  # in place: `logprobs` above is its own tensor
     usable = logits.amax(-1) > float("-inf")  # False for a row all -inf or holding a NaN
     tok = logits.argmax(-1)  # each row's token: the greedy choice, or for sampled rows as below
     if sampled:

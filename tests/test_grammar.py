@@ -1,0 +1,262 @@
+"""Structured output (dpserve/grammar.py): grammars checked where requests enter, compiled on each
+group's leader, followed by one matcher per request; a random-weight model, whose free output is
+noise, writes JSON that follows every schema of a varied set, strings its regex matches, and the
+same greedy tokens in every layout."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+from conftest import engine_for
+
+from dpserve.grammar import Matcher, check_grammar, token_bitmask
+from dpserve.sampling_params import SamplingParams
+
+SCHEMAS = {
+    "nested": {
+        "type": "object",
+        "properties": {
+            "user": {
+                "type": "object",
+                "properties": {
+                    "id": {"type": "integer", "minimum": 0, "maximum": 999},
+                    "admin": {"type": "boolean"},
+                },
+                "required": ["id", "admin"],
+            },
+            "note": {"type": "string", "maxLength": 6},
+        },
+        "required": ["user", "note"],
+    },
+    "bounded array": {
+        "type": "array",
+        "items": {"type": "integer", "minimum": -5, "maximum": 5},
+        "minItems": 2,
+        "maxItems": 4,
+    },
+    "enum": {"enum": ["red", "green", 3, None]},
+    "pattern": {
+        "type": "object",
+        "properties": {"code": {"type": "string", "pattern": "^[A-Z]{2}[0-9]{3}$"}},
+        "required": ["code"],
+    },
+    "anyOf": {
+        "anyOf": [
+            {"type": "boolean"},
+            {
+                "type": "object",
+                "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+                "required": ["n"],
+            },
+        ]
+    },
+    "$ref": {
+        "$defs": {
+            "point": {
+                "type": "object",
+                "properties": {
+                    "x": {"type": "integer", "minimum": 0, "maximum": 99},
+                    "y": {"type": "integer", "minimum": 0, "maximum": 99},
+                },
+                "required": ["x", "y"],
+            }
+        },
+        "type": "array",
+        "items": {"$ref": "#/$defs/point"},
+        "minItems": 1,
+        "maxItems": 2,
+    },
+}
+REGEX = r"[0-9]{3}-[a-z]{2,4}( [A-Z])?"
+EBNF = 'root ::= "yes" | "no" | "maybe " [0-9]'
+PROMPTS = ["hello world", "the cat sat", "1 2 3", "a"]
+
+
+# --- checks where a request enters ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "fields,message",
+    [
+        ({"json_schema": "{not json"}, "json_schema is not valid JSON"),
+        ({"json_schema": '{"type": "wat"}'}, 'invalid json_schema: Unsupported type "wat"'),
+        ({"json_schema": '{"$ref": "#/$defs/missing"}'}, "invalid json_schema: "),
+        (
+            {"regex": "a(b"},
+            "invalid regex: Regex parsing error at position 4: The parenthesis is not closed.",
+        ),
+        ({"ebnf": "root ::= foo"}, 'invalid ebnf: EBNF parser error at line 1, column 10: Rule "foo" is not'),
+        ({"regex": "a", "ebnf": 'root ::= "a"'}, "at most one of json_schema, regex and ebnf"),
+    ],
+)
+def test_invalid_grammars_are_refused_naming_the_fault(fields, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_grammar(SamplingParams(**fields), "xgrammar")
+
+
+def test_grammar_fields_are_strings_and_need_a_backend():
+    with pytest.raises(ValueError, match="json_schema must be a string"):
+        SamplingParams.from_dict({"json_schema": {"type": "object"}})
+    params = SamplingParams.from_dict({"regex": "[ab]+"})
+    check_grammar(params, "xgrammar")
+    with pytest.raises(
+        ValueError, match="regex needs a grammar backend: this server runs with --grammar-backend none"
+    ):
+        check_grammar(params, "none")
+    check_grammar(SamplingParams(), "none")  # no grammar: nothing to refuse
+
+
+def test_a_verify_steps_rows_follow_the_drafts_and_the_matcher_ends_where_it_began():
+    """Rows after a draft hold what the matcher allows once the draft is accepted; a refused draft
+    leaves the rows after it all-allowed; filling accepts nothing for good."""
+    import xgrammar as xgr
+
+    vocab = ["a", "b", "c", "</s>"]
+    info = xgr.TokenizerInfo(vocab, stop_token_ids=[3])
+    compiled = xgr.GrammarCompiler(info).compile_regex("ab?c")
+    a, b, c, eos = range(4)
+
+    def allowed(bitmask, row):
+        return [t for t in range(4) if bitmask[row, 0] >> t & 1]
+
+    m = Matcher(compiled, [eos])
+    bitmask = token_bitmask(4, 4)
+    m.fill(bitmask, 0, [a, b, c])
+    assert [allowed(bitmask, r) for r in range(4)] == [[a], [b, c], [c], [eos]]
+    bitmask = token_bitmask(3, 4)
+    m.fill(bitmask, 0, [c, a])  # c is refused at the start: the row after it allows everything
+    assert [allowed(bitmask, r) for r in range(3)] == [[a], [a, b, c, eos], [a, b, c, eos]]
+    assert m.accept(a) and not m.accept(a) and m.accept(c) and not m.terminated and m.accept(eos)
+    assert m.terminated
+    ended = Matcher(compiled, [])  # no stop token: the grammar's last token ends it
+    assert ended.accept(a) and ended.accept(c) and ended.terminated
+
+
+# --- through the engine ----------------------------------------------------------------------------
+
+
+def _generate(engine, prompts, **params) -> list[dict]:
+    return engine.generate(prompt=prompts, sampling_params={"max_new_tokens": 96, **params})
+
+
+@pytest.fixture(scope="module")
+def compact(engine_cache, model_dirs):
+    """The tiny Llama, JSON written without free whitespace."""
+    return engine_for(engine_cache, model_dirs, "llama", 1, 1, grammar_max_whitespace=0)
+
+
+@pytest.mark.parametrize("name", SCHEMAS)
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_random_weights_write_json_that_follows_the_schema(compact, name, temperature):
+    schema = SCHEMAS[name]
+    outs = _generate(compact, PROMPTS, json_schema=json.dumps(schema), temperature=temperature, seed=5)
+    for out in outs:
+        assert out["meta_info"]["finish_reason"]["type"] == "stop", out
+        jsonschema.validate(json.loads(out["text"]), schema)
+
+
+def test_regex_and_ebnf_outputs_match_and_free_output_does_not(compact):
+    for out in _generate(compact, PROMPTS, regex=REGEX, temperature=1.0, seed=2):
+        assert re.fullmatch(REGEX, out["text"]), out["text"]
+    texts = [o["text"] for o in _generate(compact, PROMPTS, ebnf=EBNF, temperature=1.0, seed=2)]
+    assert all(t in ("yes", "no") or re.fullmatch("maybe [0-9]", t) for t in texts), texts
+    free = _generate(compact, PROMPTS, temperature=0.0, max_new_tokens=16)
+    assert not any(re.fullmatch(REGEX, o["text"]) for o in free)  # the grammar did the work
+
+
+def test_a_grammar_unfinished_at_max_tokens_ends_with_length(compact):
+    (out,) = _generate(compact, ["x"], regex="[a-z]{50}", max_new_tokens=5, temperature=0.0)
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 5}
+    assert re.fullmatch("[a-z]+", out["text"]) and len(out["output_ids"]) == 5
+
+
+def test_ignore_eos_ends_when_the_grammar_does(compact):
+    (out,) = _generate(compact, ["x"], ebnf='root ::= "done"', ignore_eos=True, temperature=0.0)
+    assert out["text"] == "done" and out["meta_info"]["finish_reason"]["type"] == "stop"
+
+
+def test_invalid_grammar_fails_before_queueing_and_others_are_served(compact):
+    with pytest.raises(ValueError, match="invalid regex"):
+        _generate(compact, ["x"], regex="(")
+    (out,) = _generate(compact, ["x"], regex="[0-9]{4}", temperature=0.0)
+    assert re.fullmatch("[0-9]{4}", out["text"])
+    (before,) = compact.get_metrics()
+    _generate(compact, ["y"], regex="[0-9]{4}", temperature=0.0)  # the same text: compiled once
+    (after,) = compact.get_metrics()
+    assert after["grammar_compiles"] == before["grammar_compiles"] >= 1
+    assert after["grammar_cache_hits"] == before["grammar_cache_hits"] + 1
+
+
+def _greedy_grammar_outputs(engine) -> list[list[int]]:
+    outs = []
+    for params in [*({"json_schema": json.dumps(s)} for s in SCHEMAS.values()), {"regex": REGEX}]:
+        outs += [o["output_ids"] for o in _generate(engine, PROMPTS, temperature=0.0, **params)]
+    return outs
+
+
+def test_speculative_drafts_are_accepted_only_as_far_as_the_grammar_allows(engine_cache, model_dirs, compact):
+    """NGRAM drafts verified under the mask (rows filled as the drafts leave the matcher, which
+    rolls them back): the same greedy outputs as without speculation, and drafts were accepted."""
+    plain = _greedy_grammar_outputs(compact)
+    spec = engine_for(
+        engine_cache,
+        model_dirs,
+        "llama",
+        1,
+        1,
+        grammar_max_whitespace=0,
+        speculative_algorithm="NGRAM",
+        speculative_num_steps=3,
+    )
+    assert _greedy_grammar_outputs(spec) == plain
+    for schema in SCHEMAS.values():  # sampled: drafts checked by rejection sampling, masked rows
+        for out in _generate(spec, PROMPTS, json_schema=json.dumps(schema), temperature=1.0, seed=7):
+            jsonschema.validate(json.loads(out["text"]), schema)
+    (m,) = spec.get_metrics()
+    assert m["spec_draft_tokens"] > 0 and m["spec_accepted_tokens"] > 0
+
+
+# --- every layout ----------------------------------------------------------------------------------
+
+LAYOUT_REQUESTS = [
+    dict(json_schema=json.dumps(SCHEMAS["nested"])),
+    dict(json_schema=json.dumps(SCHEMAS["$ref"])),
+    dict(regex=REGEX),
+    dict(ebnf=EBNF),
+    dict(),  # unconstrained, in the same batch
+]
+
+
+def _layout_outputs(engine) -> list[list[int]]:
+    outs = []
+    for params in LAYOUT_REQUESTS:  # each grammar over every prompt, one batch each
+        outs += [o["output_ids"] for o in _generate(engine, PROMPTS, temperature=0.0, **params)]
+    (alone,) = _generate(engine, ["a"], temperature=0.0, **LAYOUT_REQUESTS[0])  # other groups idle
+    return [*outs, alone["output_ids"]]
+
+
+@pytest.fixture(scope="module")
+def one_rank_outputs(engine_cache, model_dirs):
+    return _layout_outputs(engine_for(engine_cache, model_dirs, "deepseek_v2", 1, 1))
+
+
+@pytest.mark.parametrize("tp,dp", [(2, 2), (4, 2)])
+def test_greedy_constrained_outputs_are_the_same_in_every_layout(
+    engine_cache, model_dirs, one_rank_outputs, tp, dp
+):
+    outs = _layout_outputs(engine_for(engine_cache, model_dirs, "deepseek_v2", tp, dp))
+    assert outs == one_rank_outputs
+
+
+def test_whitespace_is_bounded_by_default(engine_cache, model_dirs, one_rank_outputs):
+    """The default engine (16 whitespace characters in a row at most) on the nested schema."""
+    engine = engine_for(engine_cache, model_dirs, "deepseek_v2", 4, 2)
+    outs = _generate(engine, PROMPTS, temperature=1.0, seed=9, json_schema=json.dumps(SCHEMAS["nested"]))
+    runs = [len(r) for o in outs for r in re.findall(r"\s+", o["text"])]
+    assert runs and max(runs) <= 16
+    for out in outs:
+        if out["meta_info"]["finish_reason"]["type"] == "stop":
+            jsonschema.validate(json.loads(out["text"]), SCHEMAS["nested"])
