@@ -17,6 +17,7 @@ from dpserve.grammar import GRAMMAR_BACKENDS
 from dpserve.memory import DEFAULT_MEM_FRACTION_STATIC
 
 PADDING_MODES = ("auto", "sum_len", "max_len")
+REASONING_PARSERS = ("deepseek-r1", "qwen3")  # dpserve/server/reasoning.py
 ATTENTION_BACKENDS = ("auto", "triton", "torch", "sdpa")
 SPECULATIVE_ALGORITHMS = ("NEXTN", "NGRAM")
 LOAD_BALANCE_METHODS = ("cache_aware", "minimum_tokens", "shortest_queue", "round_robin")
@@ -247,7 +248,7 @@ class EngineConfig:
         "grammar on its DP group's leader, off the step loop, and masks the tokens it forbids before "
         "sampling; none refuses such requests",
         choices=GRAMMAR_BACKENDS,
-        section="structured output",
+        section="structured output and reasoning",
     )
     grammar_max_whitespace: int = option(
         16,
@@ -259,6 +260,15 @@ class EngineConfig:
         256,
         "compiled grammars each DP group keeps, by their text (least recently used dropped)",
         positive=True,
+    )
+    reasoning_parser: str | None = option(
+        None,
+        "chat completions return the reply's reasoning (<think> ... </think>) as reasoning_content "
+        "apart from content, in messages and stream deltas (requests may turn it off with "
+        "separate_reasoning: false); a grammar applies from the end of the reasoning. deepseek-r1: "
+        "the reply reasons from its first token (the template opens <think>); qwen3: when it starts "
+        "with <think>",
+        choices=REASONING_PARSERS,
     )
     nnodes: int = option(1, "number of nodes the ranks are spread over", positive=True, section="multi-node")
     node_rank: int = option(0, "this node's index; node 0 runs the front end")

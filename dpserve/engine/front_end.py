@@ -82,8 +82,10 @@ class FrontEnd:
         params: SamplingParams,
         return_logprob: bool = False,
         dp_rank: int | None = None,
+        grammar_after: int | None = None,
     ) -> RequestState:
-        """Checks, routes and sends one sequence; its state fills in as the workers report."""
+        """Checks, routes and sends one sequence; its state fills in as the workers report.
+        `grammar_after`: the token after which the request's grammar applies (reasoning's end)."""
         self.check(input_ids, params, dp_rank)
         rid = uuid.uuid4().hex
         group = self.router.route(rid, input_ids, params.max_new_tokens, dp_rank)
@@ -91,7 +93,9 @@ class FrontEnd:
         self.requests[rid] = state
         self.counters["requests"] += 1
         self.counters["prompt_tokens"] += len(input_ids)
-        self.workers.send(group, GenerateRequest(rid, list(input_ids), params, return_logprob), wake_all=True)
+        self.workers.send(
+            group, GenerateRequest(rid, list(input_ids), params, return_logprob, grammar_after), wake_all=True
+        )
         return state
 
     def abort(self, rid: str) -> None:

@@ -19,6 +19,7 @@ class GenerateRequest:
     input_ids: list[int]
     params: SamplingParams
     return_logprob: bool = False
+    grammar_after: int | None = None  # the token (reasoning's end) after which its grammar applies
 
 
 @dataclass
@@ -50,6 +51,7 @@ class Req:
     # Structured output: its grammar being compiled, then its matcher (made when first admitted).
     compiled: Future | None = None
     matcher: Matcher | None = None
+    grammar_after: int | None = None  # the grammar applies after this token (None: it does now)
 
     @property
     def kv_len(self) -> int:

@@ -128,6 +128,7 @@ class Scheduler:
         seed = self.seeds.getrandbits(64) if msg.params.seed is None else msg.params.seed
         max_len = max_kv_len(len(msg.input_ids), msg.params, self.context_len)
         req = Req(msg.rid, msg.input_ids, msg.params, msg.return_logprob, max_len, seed)
+        req.grammar_after = msg.grammar_after
         key = grammar_key(msg.params)
         if key is not None:
             if self.grammars is None:
@@ -384,16 +385,24 @@ class Scheduler:
 
     def _grammar_mask(self, reqs: list[Req]) -> GrammarMask | None:
         """The token bitmask of the sampled rows of `reqs` (each request's last token and drafts),
-        filled by the matchers of those with a grammar."""
+        filled by the matchers of those with a grammar; a request still reasoning is constrained
+        only from the row after its drafts' end of the reasoning, if they have one."""
         if not any(r.matcher is not None for r in reqs):
             return None
         starts = [0, *accumulate(1 + len(r.drafts) for r in reqs)]
         bitmask, rows = token_bitmask(starts[-1], self.vocab_size), []
         for req, start, end in zip(reqs, starts, starts[1:], strict=False):
-            if req.matcher is not None:
-                req.matcher.fill(bitmask, start, req.drafts)
-                rows += range(start, end)
-        return GrammarMask(bitmask, rows)
+            if req.matcher is None:
+                continue
+            drafts = req.drafts
+            if req.grammar_after is not None:
+                if req.grammar_after not in drafts:
+                    continue
+                skip = drafts.index(req.grammar_after) + 1
+                start, drafts = start + skip, drafts[skip:]
+            req.matcher.fill(bitmask, start, drafts)
+            rows += range(start, end)
+        return GrammarMask(bitmask, rows) if rows else None
 
     def _stop_ids(self, req: Req) -> list[int]:
         """The tokens that would end the request (min_new_tokens keeps them from being sampled)."""
@@ -432,7 +441,10 @@ class Scheduler:
                 new.append((req.rid, tok, lp, top))
                 emitted += 1
                 reason = self._finish_reason(req, tok)
-                if req.matcher is not None:
+                if req.matcher is not None and req.grammar_after is not None:
+                    if tok == req.grammar_after:  # the reasoning ended: the grammar applies from here
+                        req.grammar_after = None
+                elif req.matcher is not None:
                     if not req.matcher.accept(tok):  # the mask allowed it: never, unless a bug
                         reason = {
                             "type": "abort",

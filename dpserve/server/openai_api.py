@@ -12,6 +12,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from dpserve.server.protocol import ChatCompletionRequest, CompletionRequest, _OpenAIRequest
+from dpserve.server.reasoning import ReasoningSplitter, split_reasoning
 from dpserve.server.streams import abort_event, aborted_error, collect, merge, sse
 from dpserve.server.tokenizer_manager import Chunk, RequestError, Submission, TokenizerManager
 
@@ -48,7 +49,12 @@ class OpenAIServing:
         }
 
     def _submissions(
-        self, req: _OpenAIRequest, prompts: list[list[int]], max_tokens: int | None, logprobs: bool
+        self,
+        req: _OpenAIRequest,
+        prompts: list[list[int]],
+        max_tokens: int | None,
+        logprobs: bool,
+        grammar_after: int | None = None,
     ):
         subs = []
         for ids in prompts:
@@ -65,6 +71,7 @@ class OpenAIServing:
                         req.stop_strings,
                         logprobs,
                         req.data_parallel_rank,
+                        grammar_after,
                     )
                 )
         for sub in subs:
@@ -96,8 +103,19 @@ class OpenAIServing:
             )
         except TypeError as e:  # a chat_template_kwargs key the template function refuses
             raise RequestError(f"chat_template_kwargs: {e}") from None
-        subs = self._submissions(req, [ids], req.max_new_tokens, req.logprobs)
-        return await self._respond(req, request, subs, "chat.completion", self._chat_choice)
+        parser = self.tm.cfg.reasoning_parser
+        thinking = parser is not None and not (
+            parser == "qwen3" and (req.chat_template_kwargs or {}).get("enable_thinking") is False
+        )
+        # A grammar applies once the reasoning ends, as SGLang's reasoner grammars do.
+        grammar = thinking and any(v is not None for v in req.grammar.values())
+        after = self.tm.think_end_id() if grammar else None
+        subs = self._submissions(req, [ids], req.max_new_tokens, req.logprobs, after)
+        splitters = None
+        if thinking and req.separate_reasoning:
+            splitters = [ReasoningSplitter(parser, req.stream_reasoning) for _ in subs]
+        choice = partial(self._chat_choice, splitters=splitters)
+        return await self._respond(req, request, subs, "chat.completion", choice)
 
     async def _respond(
         self, req: _OpenAIRequest, request: Request, subs: list[Submission], kind: str, choice
@@ -177,8 +195,16 @@ class OpenAIServing:
         }
 
     def _chat_choice(
-        self, index: int, chunks: list[Chunk], with_logprobs: bool, final: bool, first: bool = False
+        self,
+        index: int,
+        chunks: list[Chunk],
+        with_logprobs: bool,
+        final: bool,
+        first: bool = False,
+        splitters: list[ReasoningSplitter] | None = None,
     ) -> dict:
+        """A chat choice: the whole message (`final`) or a stream delta; with `splitters` (a
+        reasoning parser), each choice's reasoning apart from its content."""
         logprobs = None
         if with_logprobs:
             logprobs = {
@@ -196,10 +222,24 @@ class OpenAIServing:
             }
         text = "".join(c.text for c in chunks)
         out = {"index": index, "logprobs": logprobs, "finish_reason": finish_reason(chunks[-1])}
+        reasoning = None
+        if splitters is not None:
+            done = chunks[-1].finish_reason is not None
+            if final:  # the whole reply, whatever was streamed
+                reasoning, text = split_reasoning(text, splitters[index].parser)
+            else:
+                reasoning, text = splitters[index].feed(text, final=done)
         if final:
             out["message"] = {"role": "assistant", "content": text}
+            if splitters is not None:
+                out["message"]["reasoning_content"] = reasoning or None
         else:
-            out["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
+            delta = {"role": "assistant"} if first else {}
+            if reasoning:
+                delta["reasoning_content"] = reasoning
+            if text or not reasoning:
+                delta["content"] = text
+            out["delta"] = delta
         return out
 
 

@@ -296,9 +296,10 @@ class ChatCompletionRequest(_OpenAIRequest):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
-    # No effect: no reasoning parser (as SGLang without --reasoning-parser), no tools, nothing stored.
+    # With --reasoning-parser: reasoning_content apart from content; streamed as it comes, or whole.
     separate_reasoning: bool = True
     stream_reasoning: bool = True
+    # No effect: no tools, nothing stored.
     parallel_tool_calls: bool | None = None
     metadata: dict[str, str] | None = None
     prompt_cache_key: str | None = None  # the prefix cache needs no key

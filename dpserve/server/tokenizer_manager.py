@@ -21,6 +21,7 @@ from dpserve.engine.worker_pool import WorkerFailure
 from dpserve.sampling_params import SamplingParams
 from dpserve.server.detokenizer import IncrementalDetokenizer
 from dpserve.server.metrics import ServerMetrics
+from dpserve.server.reasoning import END
 
 logger = logging.getLogger("dpserve.server")
 
@@ -44,6 +45,7 @@ class Submission:
     stop: list[str] = field(default_factory=list)
     return_logprob: bool = False
     data_parallel_rank: int | None = None
+    grammar_after: int | None = None  # the token after which its grammar applies (reasoning's end)
 
 
 @dataclass
@@ -139,6 +141,16 @@ class TokenizerManager:
         )
         return self.tokenize(text, add_special_tokens=False)
 
+    def think_end_id(self) -> int:
+        """The token that ends a reply's reasoning (</think>), for a grammar that applies after it."""
+        ids = self.tokenizer.encode(END, add_special_tokens=False)
+        if len(ids) != 1:
+            raise RequestError(
+                f"structured output with --reasoning-parser needs {END} to be one token of the "
+                f"vocabulary; this tokenizer writes it as {len(ids)}"
+            )
+        return ids[0]
+
     def default_max_tokens(self, prompt_len: int) -> int:
         """The most new tokens a prompt can have: up to the context length or the KV pool."""
         return max(1, min(self.model_cfg.context_len, self.front.kv_capacity) - prompt_len)
@@ -155,7 +167,9 @@ class TokenizerManager:
     async def generate(self, sub: Submission) -> AsyncIterator[Chunk]:
         """Streams one sequence's chunks. Leaving early (client gone, cancelled) aborts it."""
         self.check(sub)
-        state = self.front.submit(sub.input_ids, sub.params, sub.return_logprob, sub.data_parallel_rank)
+        state = self.front.submit(
+            sub.input_ids, sub.params, sub.return_logprob, sub.data_parallel_rank, sub.grammar_after
+        )
         stream = _Stream(state, IncrementalDetokenizer(self.tokenizer, sub.stop, sub.params))
         self._streams[state.rid] = stream
         try:
