@@ -18,6 +18,7 @@ from dpserve.memory import DEFAULT_MEM_FRACTION_STATIC
 
 PADDING_MODES = ("auto", "sum_len", "max_len")
 REASONING_PARSERS = ("deepseek-r1", "qwen3")  # dpserve/server/reasoning.py
+TOOL_CALL_PARSERS = ("deepseekv3", "llama3", "qwen25")  # dpserve/server/tools.py
 ATTENTION_BACKENDS = ("auto", "triton", "torch", "sdpa")
 SPECULATIVE_ALGORITHMS = ("NEXTN", "NGRAM")
 LOAD_BALANCE_METHODS = ("cache_aware", "minimum_tokens", "shortest_queue", "round_robin")
@@ -269,6 +270,14 @@ class EngineConfig:
         "the reply reasons from its first token (the template opens <think>); qwen3: when it starts "
         "with <think>",
         choices=REASONING_PARSERS,
+    )
+    tool_call_parser: str | None = option(
+        None,
+        "the model family's format of tool calls, for chat requests with tools and tool_choice "
+        "auto: qwen25 (<tool_call>JSON</tool_call>), llama3 (<|python_tag|> or a bare JSON call), "
+        "deepseekv3 (<｜tool▁calls▁begin｜>...); the calls come back as tool_calls. tool_choice "
+        "required or a named function need no parser: a grammar writes the calls",
+        choices=TOOL_CALL_PARSERS,
     )
     nnodes: int = option(1, "number of nodes the ranks are spread over", positive=True, section="multi-node")
     node_rank: int = option(0, "this node's index; node 0 runs the front end")

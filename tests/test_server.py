@@ -531,7 +531,7 @@ BAD_REQUESTS = [
         "/v1/chat/completions",
         {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]},
         400,
-        "is not supported (only null or [])",
+        'tools with tool_choice "auto" need the server started with --tool-call-parser',
     ),
     (
         "/v1/chat/completions",

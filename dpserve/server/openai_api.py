@@ -15,6 +15,7 @@ from dpserve.server.protocol import ChatCompletionRequest, CompletionRequest, _O
 from dpserve.server.reasoning import ReasoningSplitter, split_reasoning
 from dpserve.server.streams import abort_event, aborted_error, collect, merge, sse
 from dpserve.server.tokenizer_manager import Chunk, RequestError, Submission, TokenizerManager
+from dpserve.server.tools import ToolCallStream
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
 
@@ -97,9 +98,18 @@ class OpenAIServing:
     async def chat(self, req: ChatCompletionRequest, request: Request):
         self.check_model(req.model)
         messages = [m.as_template_input() for m in req.messages]
+        mode, parser = req.tool_mode, self.tm.cfg.tool_call_parser
+        if mode == "auto" and parser is None:
+            raise RequestError(
+                'tools with tool_choice "auto" need the server started with --tool-call-parser (the model '
+                'family\'s format of calls); "required" or a named function work without it'
+            )
+        template_kwargs = dict(req.chat_template_kwargs or {})
+        if mode != "none":  # the template tells the model about its tools
+            template_kwargs["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
         try:
             ids = await asyncio.to_thread(
-                self.tm.chat_prompt, messages, req.continue_final_message, **(req.chat_template_kwargs or {})
+                self.tm.chat_prompt, messages, req.continue_final_message, **template_kwargs
             )
         except TypeError as e:  # a chat_template_kwargs key the template function refuses
             raise RequestError(f"chat_template_kwargs: {e}") from None
@@ -114,7 +124,8 @@ class OpenAIServing:
         splitters = None
         if thinking and req.separate_reasoning:
             splitters = [ReasoningSplitter(parser, req.stream_reasoning) for _ in subs]
-        choice = partial(self._chat_choice, splitters=splitters)
+        calls = None if mode == "none" else [ToolCallStream(self.tm.cfg.tool_call_parser, mode) for _ in subs]
+        choice = partial(self._chat_choice, splitters=splitters, calls=calls)
         return await self._respond(req, request, subs, "chat.completion", choice)
 
     async def _respond(
@@ -202,9 +213,11 @@ class OpenAIServing:
         final: bool,
         first: bool = False,
         splitters: list[ReasoningSplitter] | None = None,
+        calls: list[ToolCallStream] | None = None,
     ) -> dict:
         """A chat choice: the whole message (`final`) or a stream delta; with `splitters` (a
-        reasoning parser), each choice's reasoning apart from its content."""
+        reasoning parser), each choice's reasoning apart from its content; with `calls` (tools),
+        the tool calls in its content, given whole at the end."""
         logprobs = None
         if with_logprobs:
             logprobs = {
@@ -222,23 +235,32 @@ class OpenAIServing:
             }
         text = "".join(c.text for c in chunks)
         out = {"index": index, "logprobs": logprobs, "finish_reason": finish_reason(chunks[-1])}
-        reasoning = None
+        reasoning, tool_calls = None, []
+        done = chunks[-1].finish_reason is not None
         if splitters is not None:
-            done = chunks[-1].finish_reason is not None
             if final:  # the whole reply, whatever was streamed
                 reasoning, text = split_reasoning(text, splitters[index].parser)
             else:
                 reasoning, text = splitters[index].feed(text, final=done)
+        if calls is not None:
+            stream = calls[index] if not final else ToolCallStream(calls[index].parser, calls[index].choice)
+            text, tool_calls = stream.feed(text, final=final or done)
+        if tool_calls:
+            out["finish_reason"] = "tool_calls"
         if final:
-            out["message"] = {"role": "assistant", "content": text}
+            out["message"] = {"role": "assistant", "content": text or (None if tool_calls else text)}
             if splitters is not None:
                 out["message"]["reasoning_content"] = reasoning or None
+            if tool_calls:
+                out["message"]["tool_calls"] = [c.as_dict() for c in tool_calls]
         else:
             delta = {"role": "assistant"} if first else {}
             if reasoning:
                 delta["reasoning_content"] = reasoning
-            if text or not reasoning:
+            if text or not (reasoning or tool_calls):
                 delta["content"] = text
+            if tool_calls:
+                delta["tool_calls"] = [c.as_dict(k) for k, c in enumerate(tool_calls)]
             out["delta"] = delta
         return out
 

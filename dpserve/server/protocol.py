@@ -30,6 +30,7 @@ from dpserve.sampling_params import (
     SamplingParams,
     check_stop_strings,
 )
+from dpserve.server.tools import forced_schema
 
 T = TypeVar("T")
 
@@ -230,14 +231,81 @@ class TextPart(_Strict):
     text: str
 
 
+FunctionName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+
+
+class FunctionCall(_Strict):
+    name: FunctionName
+    arguments: str  # JSON text
+
+
+class MessageToolCall(_Strict):
+    """A call an earlier assistant message made (multi-turn tool use)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None  # None: an assistant message that only calls tools
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # the assistant's
+    tool_call_id: str | None = None  # a tool message: the call it answers
+
+    @model_validator(mode="after")
+    def _content(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content")
+        return self
 
     def as_template_input(self) -> dict:
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return {"role": self.role, "content": text}
+        """The message as chat templates read it: text content; calls with their arguments as
+        objects (what Hugging Face templates expect) when they are JSON."""
+        content = self.content
+        text = content if isinstance(content, str) or content is None else "".join(p.text for p in content)
+        out = {"role": self.role, "content": text}
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.function.name, "arguments": _json_or_text(c.function.arguments)},
+                }
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+class FunctionDef(_Strict):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; none: any JSON object
+    strict: bool | None = None  # the arguments always follow `parameters` under a forced tool_choice
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class ToolChoiceFunction(_Strict):
+    name: FunctionName
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: ToolChoiceFunction
 
 
 class JsonSchemaFormat(_Strict):
@@ -272,8 +340,6 @@ class ResponseFormat(_Strict):
 class ChatCompletionRequest(_OpenAIRequest):
     NEUTRAL: ClassVar[dict[str, tuple]] = {
         **_OpenAIRequest.NEUTRAL,
-        "tools": (None, []),
-        "tool_choice": (None, "none", "auto"),
         "functions": (None, []),
         "function_call": (None, "none", "auto"),
         "reasoning_effort": (None,),
@@ -290,6 +356,9 @@ class ChatCompletionRequest(_OpenAIRequest):
 
     messages: list[ChatMessage] = Field(min_length=1)
     response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # null: auto with tools
+    parallel_tool_calls: bool | None = None  # null: true
     max_tokens: Count | None = None  # null: up to the context length (OpenAI's default)
     max_completion_tokens: Count | None = None
     logprobs: bool | None = False
@@ -299,8 +368,7 @@ class ChatCompletionRequest(_OpenAIRequest):
     # With --reasoning-parser: reasoning_content apart from content; streamed as it comes, or whole.
     separate_reasoning: bool = True
     stream_reasoning: bool = True
-    # No effect: no tools, nothing stored.
-    parallel_tool_calls: bool | None = None
+    # No effect: nothing stored.
     metadata: dict[str, str] | None = None
     prompt_cache_key: str | None = None  # the prefix cache needs no key
     safety_identifier: str | None = None
@@ -313,7 +381,33 @@ class ChatCompletionRequest(_OpenAIRequest):
             raise ValueError("continue_final_message requires the last message to be the assistant's")
         if self.json_schema is not None and self.response_format not in (None, ResponseFormat(type="text")):
             raise ValueError("give response_format or json_schema, not both")
+        names = [t.function.name for t in self.tools or []]
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(
+                f"tool_choice names {choice.function.name!r}, which is not among the tools {names}"
+            )
+        if choice == "required" and not names:
+            raise ValueError('tool_choice "required" needs tools')
+        if self.forced_tools and any(v is not None for v in super().grammar.values()):
+            raise ValueError(
+                "a forced tool_choice writes JSON by its own grammar: no json_schema, regex or ebnf"
+            )
+        if self.forced_tools and self.response_format not in (None, ResponseFormat(type="text")):
+            raise ValueError("a forced tool_choice writes JSON by its own grammar: no response_format")
         return self
+
+    @property
+    def tool_mode(self) -> str | dict:
+        """OpenAI's tool_choice, null resolved: "none", "auto", "required" or {"type", "function"}."""
+        if not self.tools:
+            return "none"
+        choice = self.tool_choice if self.tool_choice is not None else "auto"
+        return choice if isinstance(choice, str) else choice.model_dump()
+
+    @property
+    def forced_tools(self) -> bool:
+        return self.tool_mode == "required" or isinstance(self.tool_mode, dict)
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -321,7 +415,12 @@ class ChatCompletionRequest(_OpenAIRequest):
 
     @property
     def grammar(self) -> dict[str, str | None]:
-        """response_format as a json_schema (`check_grammar` refuses it beside regex or ebnf)."""
+        """response_format, or a forced tool_choice's calls, as a json_schema (`check_grammar`
+        refuses response_format beside regex or ebnf)."""
+        if self.forced_tools:
+            tools = [t.model_dump() for t in self.tools]
+            schema = forced_schema(tools, self.tool_mode, self.parallel_tool_calls is not False)
+            return super().grammar | {"json_schema": json.dumps(schema)}
         schema = self.response_format.schema_text if self.response_format is not None else None
         return super().grammar | ({} if schema is None else {"json_schema": schema})
 
