@@ -260,3 +260,54 @@ def test_whitespace_is_bounded_by_default(engine_cache, model_dirs, one_rank_out
     for out in outs:
         if out["meta_info"]["finish_reason"]["type"] == "stop":
             jsonschema.validate(json.loads(out["text"]), SCHEMAS["nested"])
+
+
+# --- composed with the engine's features ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name,kwargs",
+    [
+        ("max_len padding", dict(dp_padding_mode="max_len")),
+        ("sum_len padding", dict(dp_padding_mode="sum_len")),
+        ("chunked prefill and retraction", dict(max_total_tokens=128, chunked_prefill_size=4)),
+    ],
+)
+def test_constrained_outputs_compose_with_padding_chunks_retraction_and_the_cache(
+    engine_cache, model_dirs, one_rank_outputs, name, kwargs
+):
+    """tp 2 dp 2: the same greedy outputs as one rank, with each padding mode, and with prompts
+    prefilled in chunks of 2 into a pool of 128 tokens, too small for the batch (requests retracted and resumed,
+    their matchers kept); run twice, the second time from the prefix cache."""
+    engine = engine_for(engine_cache, model_dirs, "deepseek_v2", 2, 2, **kwargs)
+    assert _layout_outputs(engine) == one_rank_outputs
+    hits = sum(m["cache_hit_tokens"] for m in engine.get_metrics())
+    assert _layout_outputs(engine) == one_rank_outputs
+    metrics = engine.get_metrics()
+    assert sum(m["cache_hit_tokens"] for m in metrics) > hits
+    if "retraction" in name:
+        assert sum(m["retractions"] for m in metrics) > 0
+
+
+def test_nextn_drafts_follow_the_grammar(engine_cache):
+    """NEXTN on the trained tiny DeepSeek-V3: constrained greedy outputs equal those without
+    speculation, and MTP drafts are accepted under the grammar."""
+    from dpserve.testing.trained_mtp import trained_mtp_model
+
+    path = str(trained_mtp_model())
+    prompts = [[5, 9, 14, 3, 8], [20, 21, 22], [7] * 6]
+    requests = [dict(regex="[ab ]{4,12}[.]"), dict(json_schema=json.dumps(SCHEMAS["bounded array"])), {}]
+
+    def outputs(engine):
+        return [
+            o["output_ids"]
+            for params in requests
+            for o in engine.generate(
+                input_ids=prompts, sampling_params={"max_new_tokens": 40, "temperature": 0, **params}
+            )
+        ]
+
+    plain = outputs(engine_cache.get(path))
+    spec = engine_cache.get(path, speculative_algorithm="NEXTN", speculative_num_steps=2)
+    assert outputs(spec) == plain
+    assert sum(m["spec_accepted_tokens"] for m in spec.get_metrics()) > 0

@@ -295,6 +295,18 @@ def test_structured_output_through_the_openai_client(server, client, model):
         extra_body={"regex": "[0-9]{3}-[a-z]{2}"},
     )
     assert re.fullmatch("[0-9]{3}-[a-z]{2}", completion.choices[0].text)
+    stopped = client.completions.create(
+        model=model,
+        prompt=COMPLETION_PROMPT,
+        max_tokens=20,
+        n=2,
+        temperature=1.0,
+        seed=3,
+        stop=["-"],
+        extra_body={"regex": "[0-9]{3}-[a-z]{2}"},
+    )  # n > 1 (a matcher per choice) and a stop string inside the grammar's text
+    assert [c.finish_reason for c in stopped.choices] == ["stop", "stop"]
+    assert all(re.fullmatch("[0-9]{3}", c.text) for c in stopped.choices)
     stream = client.chat.completions.create(
         model=model,
         messages=CHAT,
