@@ -197,7 +197,15 @@ def token_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-    """Sets to -inf, in place, the logits of `rows` that their bitmask rows forbid."""
+    """Sets to -inf, in place, the float32 logits of `rows` that their bitmask rows forbid: on the
+    CPU by the fused kernel (xgrammar's CPU kernel took 3 ms for 16 rows of SmolLM2's 49,152
+    tokens, ~6% of a decode step), elsewhere by xgrammar's."""
+    from dpserve import cpu_ops
+
+    if cpu_ops.usable(logits):
+        picked = bitmask[rows].contiguous()
+        torch.ops.dpserve_cpu.apply_token_bitmask(logits, picked, torch.tensor(rows, dtype=torch.long))
+        return
     import xgrammar as xgr
 
     xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=rows)

@@ -81,3 +81,30 @@ def test_dtype_auto_follows_the_cached_probe(tmp_path, monkeypatch):
         (tmp_path / "dtype_probe.json").write_text(json.dumps(cache))
         assert EngineConfig(model_path="m", device="cpu").dtype == dtype
     assert EngineConfig(model_path="m", device="cpu", dtype="float16").dtype == "float16"  # asked: kept
+
+
+@pytest.mark.parametrize("vocab", [301, 49152, 32005])
+def test_token_bitmask_same_as_xgrammar(vocab):
+    """The grammar's mask on the CPU: xgrammar's kernel's result, for masks that allow few tokens
+    (whole words of zeros), many (words of ones) or any mix, on a subset of the rows."""
+    import xgrammar as xgr
+
+    from dpserve.grammar import apply_bitmask, token_bitmask
+
+    g = torch.Generator().manual_seed(vocab)
+    bitmask = token_bitmask(6, vocab)
+    bitmask[1:] = torch.randint(-(2**31), 2**31 - 1, bitmask[1:].shape, dtype=torch.int32, generator=g)
+    bitmask[2, : bitmask.shape[1] // 2] = 0
+    bitmask[3] = 0
+    bit = (vocab - 1) % 32
+    bitmask[3, -1] = 1 << bit if bit < 31 else -(2**31)  # only the last token (int32's sign bit)
+    rows = [0, 2, 3, 5]
+    padded = torch.randn(6, vocab + 3, generator=g)  # the LM head's padded vocabulary, sliced
+    logits, tail = padded[:, :vocab], padded[:, vocab:].clone()
+    mine, theirs = logits, logits.clone()
+    logits = logits.clone()
+    apply_bitmask(mine, bitmask, rows)
+    xgr.apply_token_bitmask_inplace(theirs, bitmask, indices=rows, backend="cpu")
+    assert torch.equal(mine, theirs)
+    assert torch.isfinite(mine[3]).sum() == 1 and torch.equal(mine[[1, 4]], logits[[1, 4]])
+    assert torch.equal(padded[:, vocab:], tail)  # nothing written past the vocabulary

@@ -38,6 +38,7 @@ import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -59,6 +60,7 @@ class RequestInput:
     prompt: list[int]
     output_len: int
     follow_ups: list[list[int]] = field(default_factory=list)
+    json_schema: str | None = None  # the output follows it (structured output)
 
 
 @dataclass
@@ -252,16 +254,28 @@ def error_message(status: int, body: bytes) -> str:
 
 
 async def send_request(
-    client: httpx.AsyncClient, base_url: str, model: str, prompt: list[int], output_len: int, native: bool
+    client: httpx.AsyncClient,
+    base_url: str,
+    model: str,
+    prompt: list[int],
+    output_len: int,
+    native: bool,
+    json_schema: str | None = None,
 ) -> RequestOutput:
     """Stream one completion (OpenAI's /v1/completions, or the native /generate when `native`) and
     record its chunk arrival times; failures are recorded, never raised."""
+    grammar = {} if json_schema is None else {"json_schema": json_schema}
     if native:
         url, payload = (
             f"{base_url}/generate",
             {
                 "input_ids": prompt,
-                "sampling_params": {"max_new_tokens": output_len, "temperature": 0.0, "ignore_eos": True},
+                "sampling_params": {
+                    "max_new_tokens": output_len,
+                    "temperature": 0.0,
+                    "ignore_eos": True,
+                    **grammar,
+                },
                 "stream": True,
             },
         )
@@ -276,6 +290,7 @@ async def send_request(
                 "stream": True,
                 "ignore_eos": True,
                 "stream_options": {"include_usage": True},
+                **grammar,
             },
         )
     out = RequestOutput(prompt_len=len(prompt), requested_len=output_len)
@@ -365,7 +380,11 @@ async def run_requests(
                     break
                 prompt = prompt + outs[-1].output_ids + follow_up
             async with semaphore:
-                outs.append(await send_request(client, base_url, model, prompt, request.output_len, native))
+                outs.append(
+                    await send_request(
+                        client, base_url, model, prompt, request.output_len, native, request.json_schema
+                    )
+                )
             pbar.update(1)
         return outs
 
@@ -519,6 +538,7 @@ def report(r: dict[str, Any]) -> str:
     if "completed" in r:
         add("Traffic request rate", r["request_rate"])
         add("Max request concurrency", r["max_concurrency"] or "not set")
+        add("Constrained requests (JSON schema)", r.get("constrained_requests", 0))
         add("Successful requests", r["completed"])
         add("Failed requests", r["failed"])
         add("Benchmark duration (s)", fmt(r["duration"]))
@@ -675,6 +695,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     mt.add_argument("--mt-turns", type=positive_int, default=4, help="turns per conversation")
     mt.add_argument("--mt-turn-len", type=positive_int, default=64, help="new user tokens per turn")
     mt.add_argument("--mt-output-len", type=positive_int, default=32, help="tokens generated per turn")
+    p.add_argument(
+        "--json-schema",
+        default=None,
+        metavar="FILE",
+        help="structured output: requests' outputs follow the JSON schema in FILE (the server's "
+        "grammar backend; the offline engine and transformers baselines run unconstrained)",
+    )
+    p.add_argument(
+        "--constrained-fraction",
+        type=float,
+        default=1.0,
+        help="with --json-schema: the share of requests constrained, spread evenly over them",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts, lengths and arrival times")
     p.add_argument(
         "--warmup-requests",
@@ -796,6 +829,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     token_ids = prompt_token_ids(tokenizer)
     requests = workload(args, token_ids, tokenizer)
+    if args.json_schema:
+        schema = json.dumps(json.loads(Path(args.json_schema).read_text()))
+        for i, r in enumerate(requests):  # spread evenly: request i if the fraction steps up there
+            if math.floor((i + 1) * args.constrained_fraction) > math.floor(i * args.constrained_fraction):
+                r.json_schema = schema
     result: dict[str, Any] = {
         "backend": "dpserve",
         "base_url": base_url,
@@ -806,6 +844,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "request_rate": "inf" if math.isinf(args.request_rate) else args.request_rate,  # JSON has no inf
         "max_concurrency": args.max_concurrency,
         "seed": args.seed,
+        "constrained_requests": sum(r.json_schema is not None for r in requests),
         "command": shlex.join(["python", "-m", "dpserve.bench.serving", *argv]),
         "machine": machine_info(),
     }

@@ -438,6 +438,39 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   return at::silu(gate_up.narrow(-1, 0, inter)).mul_(gate_up.narrow(-1, inter, inter));
 }
 
+// Sets to -inf, in place, the logits of `rows` whose bit in the row's token bitmask is 0
+// (xgrammar's layout: int32 words, token t at bit t % 32 of word t / 32; bitmask row i masks
+// logits row rows[i]). Words that allow every token, or none, are handled whole.
+void apply_token_bitmask(const at::Tensor& logits, const at::Tensor& bitmask, const at::Tensor& rows) {
+  TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() == 2 && logits.stride(1) == 1,
+              "apply_token_bitmask: float32 logits [rows, vocab], each row contiguous");
+  TORCH_CHECK(bitmask.scalar_type() == at::kInt && bitmask.is_contiguous(), "apply_token_bitmask: contiguous int32 bitmask");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.numel() == bitmask.size(0), "apply_token_bitmask: one int64 row per bitmask row");
+  const int64_t vocab = logits.size(1), words = bitmask.size(1), row_stride = logits.stride(0);
+  TORCH_CHECK(words * 32 >= vocab, "apply_token_bitmask: the bitmask covers fewer tokens than the logits");
+  float* out = logits.data_ptr<float>();
+  const int32_t* bits = bitmask.data_ptr<int32_t>();
+  const int64_t* row = rows.data_ptr<int64_t>();
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, rows.numel(), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      float* dst = out + row[i] * row_stride;
+      const int32_t* src = bits + i * words;
+      for (int64_t w = 0; w * 32 < vocab; ++w) {
+        const uint32_t word = static_cast<uint32_t>(src[w]);
+        if (word == 0xFFFFFFFFu) continue;
+        const int64_t n = std::min<int64_t>(32, vocab - w * 32);
+        if (word == 0) {  // the common case: a grammar allows few tokens
+          std::fill_n(dst + w * 32, n, neg_inf);
+          continue;
+        }
+        for (int64_t b = 0; b < n; ++b)
+          if (!(word >> b & 1u)) dst[w * 32 + b] = neg_inf;
+      }
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(dpserve_cpu, m) {
@@ -446,6 +479,7 @@ TORCH_LIBRARY(dpserve_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("rotary(Tensor x, Tensor cos_sin, Tensor positions, bool interleaved) -> Tensor");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
+  m.def("apply_token_bitmask(Tensor(a!) logits, Tensor bitmask, Tensor rows) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(dpserve_cpu, CPU, m) {
@@ -453,4 +487,5 @@ TORCH_LIBRARY_IMPL(dpserve_cpu, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("rotary", &rotary);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("apply_token_bitmask", &apply_token_bitmask);
 }

@@ -202,7 +202,8 @@ class Scheduler:
             reason = {"type": "abort", "message": f"the grammar did not compile: {error}", "status_code": 400}
             self.failed.append(self._finish(req, reason))
             return False
-        req.matcher = Matcher(req.compiled.result(), self._stop_ids(req))
+        # EOS ends a grammar even with ignore_eos: the model, not the first chance, decides the end.
+        req.matcher = Matcher(req.compiled.result(), sorted(self.eos_ids | set(req.params.stop_token_ids)))
         return True
 
     @property
