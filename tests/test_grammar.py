@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 
 import jsonschema
 import pytest
@@ -217,6 +218,51 @@ def test_speculative_drafts_are_accepted_only_as_far_as_the_grammar_allows(engin
             jsonschema.validate(json.loads(out["text"]), schema)
     (m,) = spec.get_metrics()
     assert m["spec_draft_tokens"] > 0 and m["spec_accepted_tokens"] > 0
+
+
+@pytest.fixture(scope="module")
+def byte_fallback_model(model_dirs, tmp_path_factory) -> str:
+    """The tiny Llama with a SentencePiece-style tokenizer of the same 301 ids: byte-fallback
+    tokens <0x00>..<0xFF> for whatever its pieces do not cover, single characters and merged
+    pieces ("the", "▁th"), "▁" for spaces."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    out = tmp_path_factory.mktemp("byte_fallback") / "llama"
+    shutil.copytree(model_dirs["llama"], out)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (out / name).unlink()
+    special = ["<|bos|>", "<|eos|>", "<|pad|>"]
+    pieces = [*special, *(f"<0x{b:02X}>" for b in range(256)), *'▁aeotnsrilh{}":,[]0123456789']
+    merges = [("t", "h"), ("h", "e"), ("i", "n"), ("e", "r"), ("a", "n"), ("r", "e"), ("o", "n")]
+    merges += [("a", "t"), ("▁", "t"), ("▁", "a"), ("▁t", "h"), ("▁th", "e"), ("e", "s"), ("s", "t")]
+    pieces += [a + b for a, b in merges]
+    tok = Tokenizer(models.BPE(vocab={p: i for i, p in enumerate(pieces)}, merges=merges, byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    tok.add_special_tokens(special)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=special[0], eos_token=special[1], pad_token=special[2]
+    )
+    assert len(fast) == len(pieces) == 301 and len(fast.encode("é", add_special_tokens=False)) > 1
+    fast.save_pretrained(str(out))
+    return str(out)
+
+
+def test_a_byte_fallback_tokenizer_writes_valid_json_and_non_ascii_patterns(
+    engine_cache, byte_fallback_model
+):
+    """Characters outside the pieces come as UTF-8 byte tokens, which the grammar must follow
+    byte by byte: valid JSON for every schema, and a pattern of non-ASCII letters matched."""
+    engine = engine_cache.get(byte_fallback_model, grammar_max_whitespace=0)
+    for schema in SCHEMAS.values():
+        for out in _generate(engine, PROMPTS, json_schema=json.dumps(schema), temperature=1.0, seed=4):
+            jsonschema.validate(json.loads(out["text"]), schema)
+    accented = {"type": "string", "pattern": "^[éüß]{2,4}$"}
+    for out in _generate(engine, PROMPTS, json_schema=json.dumps(accented), temperature=1.0, seed=4):
+        assert re.fullmatch("[éüß]{2,4}", json.loads(out["text"])), out["text"]
 
 
 # --- every layout ----------------------------------------------------------------------------------
