@@ -72,7 +72,7 @@ def test_each_format_is_parsed_whole_and_streamed(parser):
         first, _ = stream.feed(text[:cut], final=False)
         rest, streamed = stream.feed(text[cut:], final=True)
         assert (first + rest).rstrip() == content, cut
-        assert [(c.name, json.loads(c.arguments)) for c in streamed] == EXPECTED, cut
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in streamed] == EXPECTED
 
 
 @pytest.mark.parametrize("parser", FORMATS)
@@ -137,6 +137,7 @@ def test_forced_calls_follow_the_declared_parameters(client):
 
 
 def test_streamed_calls_reassemble_to_the_whole_reply(client):
+    """ "required": the calls whole at the end; a named function: its arguments as they come."""
     client, model = client
     common = dict(
         model=model, messages=CHAT, tools=TOOLS, tool_choice="required", max_tokens=300, temperature=0
@@ -151,6 +152,14 @@ def test_streamed_calls_reassemble_to_the_whole_reply(client):
         finish = chunk.choices[0].finish_reason or finish
     assert finish == "tool_calls"
     assert [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())] == whole
+    named = {**common, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    whole = _calls(client.chat.completions.create(**named).choices[0].message)
+    fragments = [
+        d.function.arguments
+        for chunk in client.chat.completions.create(stream=True, **named)
+        for d in chunk.choices[0].delta.tool_calls or []
+    ]
+    assert len(fragments) > 1 and [("get_weather", json.loads("".join(fragments)))] == whole  # as they came
 
 
 def test_auto_returns_content_when_the_model_calls_nothing_and_multi_turn_is_accepted(client):

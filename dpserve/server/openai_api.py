@@ -217,7 +217,7 @@ class OpenAIServing:
     ) -> dict:
         """A chat choice: the whole message (`final`) or a stream delta; with `splitters` (a
         reasoning parser), each choice's reasoning apart from its content; with `calls` (tools),
-        the tool calls in its content, given whole at the end."""
+        its tool calls (`ToolCallStream`)."""
         logprobs = None
         if with_logprobs:
             logprobs = {
@@ -242,17 +242,20 @@ class OpenAIServing:
                 reasoning, text = split_reasoning(text, splitters[index].parser)
             else:
                 reasoning, text = splitters[index].feed(text, final=done)
+        stream = None
         if calls is not None:
             stream = calls[index] if not final else ToolCallStream(calls[index].parser, calls[index].choice)
             text, tool_calls = stream.feed(text, final=final or done)
-        if tool_calls:
+        if stream is not None and stream.called and out["finish_reason"] == "stop":
             out["finish_reason"] = "tool_calls"
         if final:
             out["message"] = {"role": "assistant", "content": text or (None if tool_calls else text)}
             if splitters is not None:
                 out["message"]["reasoning_content"] = reasoning or None
             if tool_calls:
-                out["message"]["tool_calls"] = [c.as_dict() for c in tool_calls]
+                out["message"]["tool_calls"] = [
+                    {k: v for k, v in c.items() if k != "index"} for c in tool_calls
+                ]
         else:
             delta = {"role": "assistant"} if first else {}
             if reasoning:
@@ -260,7 +263,7 @@ class OpenAIServing:
             if text or not (reasoning or tool_calls):
                 delta["content"] = text
             if tool_calls:
-                delta["tool_calls"] = [c.as_dict(k) for k, c in enumerate(tool_calls)]
+                delta["tool_calls"] = tool_calls
             out["delta"] = delta
         return out
 

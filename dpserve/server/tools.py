@@ -61,16 +61,13 @@ def forced_schema(tools: list[dict], choice: str | dict, parallel: bool) -> dict
     return {"type": "array", "items": {"anyOf": call}, "minItems": 1, **({} if parallel else {"maxItems": 1})}
 
 
-def forced_calls(text: str, choice: str | dict) -> list[ToolCall]:
-    """The calls of a reply written under `forced_schema` (its grammar makes it valid JSON; a reply
-    cut by max_tokens gives none)."""
+def forced_calls(text: str) -> list[ToolCall]:
+    """The calls of a reply written under `forced_schema` for tool_choice "required" (its grammar
+    makes it valid JSON; a reply cut by max_tokens gives none)."""
     try:
-        value = json.loads(text)
+        return [ToolCall(c["name"], json.dumps(c["parameters"])) for c in json.loads(text)]
     except json.JSONDecodeError:
         return []
-    if isinstance(choice, dict):
-        return [ToolCall(choice["function"]["name"], json.dumps(value))]
-    return [ToolCall(c["name"], json.dumps(c["parameters"])) for c in value]
 
 
 def parse_calls(text: str, parser: str) -> tuple[str, list[ToolCall]]:
@@ -106,20 +103,30 @@ def parse_calls(text: str, parser: str) -> tuple[str, list[ToolCall]]:
 
 
 class ToolCallStream:
-    """A streamed reply under tool_choice "auto": its content passes through until the format's
-    first call starts (text that may be its start is held back), the rest is held and parsed at
-    the end. `forced` (tool_choice "required" or named): the whole reply is the calls' JSON. Text
-    held for calls that do not parse is content after all."""
+    """One reply's tool calls as OpenAI streams them (`tool_calls` deltas). Under a named function
+    the reply is the call's arguments: they go out as they come, as argument fragments after a
+    first delta with the call's id and name. Under "required" the calls come whole at the end.
+    Under "auto" the content passes through until the format's first call starts (text that may
+    be its start is held back), the rest is held and parsed at the end; text held for calls that
+    do not parse is content after all."""
 
     def __init__(self, parser: str | None, choice: str | dict):
         self.parser, self.choice = parser, choice  # parser: None only when forced
         self.forced = choice == "required" or isinstance(choice, dict)
         self.text, self._sent = "", 0  # the whole reply, and how much of it went out as content
         self._calling = self.forced
+        self.called = False  # a call went out
+        self._id = ToolCall("", "").id
 
-    def feed(self, text: str, final: bool) -> tuple[str, list[ToolCall]]:
-        """(content, calls) to send now: calls only at the end."""
+    def feed(self, text: str, final: bool) -> tuple[str, list[dict]]:
+        """(content, tool_calls deltas) to send now."""
         self.text += text
+        if isinstance(self.choice, dict):
+            if self.called:
+                return "", [{"index": 0, "function": {"arguments": text}}] if text else []
+            self.called = True
+            call = ToolCall(self.choice["function"]["name"], text, self._id)
+            return "", [call.as_dict(0)]
         out = ""
         if not self._calling:
             at = self._call_start()
@@ -131,12 +138,11 @@ class ToolCallStream:
             out, self._sent = self.text[self._sent : end], end
         if not (final and self._calling):
             return out, []
-        calls = (
-            forced_calls(self.text, self.choice) if self.forced else parse_calls(self.text, self.parser)[1]
-        )
+        calls = forced_calls(self.text) if self.forced else parse_calls(self.text, self.parser)[1]
         if not calls:
             out += self.text[self._sent :]
-        return out, calls
+        self.called = bool(calls)
+        return out, [c.as_dict(k) for k, c in enumerate(calls)]
 
     def _call_start(self) -> int | None:
         at = self.text.find(STARTS[self.parser], self._sent)
