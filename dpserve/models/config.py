@@ -14,6 +14,11 @@ from dpserve.models.loader import CheckpointReader
 
 MLA_ARCHS = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 SUPPORTED_ARCHS = (*MLA_ARCHS, "LlamaForCausalLM")
+# Families whose config transformers reads only by running the checkpoint's own code: read here as
+# the family they are built on (Kimi-K2 is DeepSeek-V3's architecture with its own numbers).
+CONFIG_ALIASES = {"kimi_k2": "deepseek_v3"}
+FAMILIES = ("deepseek_v2", "deepseek_v3", "kimi_k2", "llama")  # config.json model_types served
+SERVED = f"dpserve serves {', '.join(SUPPORTED_ARCHS)} (model_type {', '.join(FAMILIES)})"
 
 
 @dataclass
@@ -31,6 +36,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     path: str = ""
     num_mtp_layers: int = 0  # DeepSeek's num_nextn_predict_layers: MTP layers after the decoder layers
+    family: str = ""  # config.json's model_type (kimi_k2 for Kimi-K2, whose hf config is DeepSeek-V3's)
 
     @property
     def is_mla(self) -> bool:
@@ -39,10 +45,10 @@ class ModelConfig:
     @classmethod
     def load(cls, model_path: str) -> ModelConfig:
         check_model_dir(model_path)
-        hf = AutoConfig.from_pretrained(model_path)
+        hf, family = read_hf_config(model_path)
         arch = (hf.architectures or ["?"])[0]
         if arch not in SUPPORTED_ARCHS:
-            raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHS)}")
+            raise ValueError(f"unsupported architecture {arch!r} (model_type {family!r}); {SERVED}")
         quant = getattr(hf, "quantization_config", None)
         if quant:
             # Loading quantized tensors without their scales would serve garbage without an error.
@@ -67,6 +73,7 @@ class ModelConfig:
             eos_token_ids=_eos_ids(Path(model_path), hf),
             path=str(model_path),
             num_mtp_layers=getattr(hf, "num_nextn_predict_layers", None) or 0,
+            family=family,
         )
 
     def validate(self, cfg: EngineConfig) -> None:
@@ -135,6 +142,23 @@ class ModelConfig:
                 f"{self.path}: config.json has num_nextn_predict_layers={self.num_mtp_layers} but the "
                 f"checkpoint has no {name} (its MTP weights were left out)"
             )
+
+
+def read_hf_config(model_path: str | Path) -> tuple[PretrainedConfig, str]:
+    """The checkpoint's transformers config and its family (config.json's model_type), without
+    running code shipped with the checkpoint: a family of CONFIG_ALIASES is read as the one it is
+    built on (its `auto_map` ignored)."""
+    raw = json.loads((Path(model_path) / "config.json").read_text())
+    family = raw.get("model_type", "")
+    if family not in CONFIG_ALIASES:
+        try:
+            return AutoConfig.from_pretrained(model_path), family
+        except (ValueError, KeyError) as e:  # a model_type transformers does not know
+            raise ValueError(
+                f"{model_path}: model_type {family!r} is not one dpserve can read ({e}); {SERVED}"
+            ) from None
+    fields = {k: v for k, v in raw.items() if k not in ("model_type", "auto_map")}
+    return AutoConfig.for_model(CONFIG_ALIASES[family], **fields), family
 
 
 def check_model_dir(model_path: str) -> None:

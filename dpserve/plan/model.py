@@ -11,7 +11,14 @@ from pathlib import Path
 from dpserve.models.config import ModelConfig
 
 CONFIG_DIR = Path(__file__).parent / "configs"
-BUNDLED = ("deepseek-v2-lite", "deepseek-v2", "deepseek-v3", "deepseek-coder-v2-lite", "smollm2-135m")
+BUNDLED = (
+    "deepseek-v2-lite",
+    "deepseek-v2",
+    "deepseek-v3",
+    "deepseek-coder-v2-lite",
+    "kimi-k2",
+    "smollm2-135m",
+)
 
 
 def resolve(model: str) -> str:

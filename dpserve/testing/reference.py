@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel, RepetitionPenaltyLogitsProcessor
 
+from dpserve.models.config import read_hf_config
 from dpserve.sampling_params import SamplingParams
 
 NEAR_TIE = 1e-3  # top-2 logits closer than this make greedy argmax numerically ambiguous
@@ -27,7 +28,12 @@ class Reference:
 
 @functools.lru_cache(maxsize=8)
 def _load_model(model_dir: str) -> PreTrainedModel:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    """transformers' model of the checkpoint, its config read as the engine reads it (Kimi-K2's as
+    DeepSeek-V3's, without the checkpoint's code)."""
+    config, _ = read_hf_config(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, config=config, dtype=torch.float32, attn_implementation="eager"
+    )
     return model.eval()
 
 

@@ -169,9 +169,18 @@ _LLAMA = dict(
     max_position_embeddings=512,
     rope_parameters=_ROPE_DEFAULT,
 )
+# Kimi-K2: DeepSeek-V3's architecture, one expert group (no group limit), its own scaling factor;
+# written as DeepSeek-V3 weights under Kimi's config.json (model_type kimi_k2, code in auto_map).
+_KIMI_K2 = _DEEPSEEK_V3 | dict(n_group=1, topk_group=1, routed_scaling_factor=2.827, n_routed_experts=16)
+KIMI_AUTO_MAP = {
+    "AutoConfig": "configuration_deepseek.DeepseekV3Config",
+    "AutoModel": "modeling_deepseek.DeepseekV3Model",
+    "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM",
+}
 _SPECS: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel], dict[str, Any]]] = {
     "deepseek_v2": (DeepseekV2Config, DeepseekV2ForCausalLM, _DEEPSEEK_V2),
     "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM, _DEEPSEEK_V3),
+    "kimi_k2": (DeepseekV3Config, DeepseekV3ForCausalLM, _KIMI_K2),
     "llama": (LlamaConfig, LlamaForCausalLM, _LLAMA),
     "deepseek_v2_mid": (DeepseekV2Config, DeepseekV2ForCausalLM, _DEEPSEEK_V2_MID),
 }
@@ -218,6 +227,12 @@ def write_tiny_model(
     model.save_pretrained(str(out), **save_kwargs)
     if mtp:
         add_mtp_layer(out, mtp_layer_state_dict(model, init_std, generator))
+    if arch == "kimi_k2":  # as Moonshot ships it: a family transformers reads only by remote code
+        config_path = out / "config.json"
+        written = json.loads(config_path.read_text())
+        config_path.write_text(
+            json.dumps(written | {"model_type": "kimi_k2", "auto_map": KIMI_AUTO_MAP}, indent=2)
+        )
     return out
 
 

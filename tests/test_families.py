@@ -1,0 +1,62 @@
+"""The MoE families served besides DeepSeek-V2/V3 (docs/design.md, "Families"): each tiny random
+checkpoint, written by transformers, gives transformers' greedy tokens in every layout. Kimi-K2 is
+DeepSeek-V3's architecture under its own config.json (model_type kimi_k2, code in auto_map), which
+dpserve reads without running the checkpoint's code."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import GREEDY, KV_BUDGET_GB, assert_matches_reference
+
+from dpserve.models.config import ModelConfig
+from dpserve.testing.reference import hf_greedy_reference
+from dpserve.testing.tiny_models import write_tiny_model
+
+
+@pytest.fixture(scope="module")
+def kimi(tmp_path_factory) -> str:
+    return str(write_tiny_model("kimi_k2", tmp_path_factory.mktemp("kimi") / "kimi_k2"))
+
+
+@pytest.fixture(scope="module")
+def kimi_refs(kimi, prompts):
+    return hf_greedy_reference(kimi, prompts, GREEDY["max_new_tokens"])
+
+
+def test_kimi_config_is_read_without_its_code(kimi):
+    raw = json.loads((Path(kimi) / "config.json").read_text())
+    assert raw["model_type"] == "kimi_k2" and "AutoConfig" in raw["auto_map"]  # as Moonshot ships it
+    cfg = ModelConfig.load(kimi)
+    assert (cfg.family, cfg.arch, cfg.is_mla) == ("kimi_k2", "DeepseekV3ForCausalLM", True)
+    assert (cfg.hf.n_group, cfg.hf.topk_group, cfg.hf.routed_scaling_factor) == (1, 1, 2.827)
+
+
+@pytest.mark.parametrize("tp,dp,ep", [(1, 1, 1), (2, 2, 1), (4, 2, 1), (4, 4, 4)])
+def test_kimi_greedy_matches_transformers(engine_cache, kimi, kimi_refs, prompts, tp, dp, ep):
+    engine = engine_cache.get(
+        kimi, tp_size=tp, dp_size=dp, enable_dp_attention=dp > 1, ep_size=ep, kv_cache_memory_gb=KV_BUDGET_GB
+    )
+    outs = engine.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True)
+    assert_matches_reference(outs, kimi_refs)
+
+
+@pytest.mark.parametrize(
+    "model_type,arch,message",
+    [
+        (
+            "qwen3_moe",
+            "Qwen3MoeForCausalLM",
+            "unsupported architecture 'Qwen3MoeForCausalLM' (model_type 'qwen3_moe')",
+        ),
+        ("made_up", "MadeUpForCausalLM", "model_type 'made_up' is not one dpserve can read"),
+    ],
+)
+def test_a_family_not_served_is_refused_naming_those_that_are(tmp_path, model_type, arch, message):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type, "architectures": [arch]}))
+    with pytest.raises(ValueError) as e:
+        ModelConfig.load(str(tmp_path))
+    assert message in str(e.value)
+    assert "(model_type deepseek_v2, deepseek_v3, kimi_k2, llama)" in str(e.value)
