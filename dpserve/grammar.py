@@ -129,7 +129,7 @@ class GrammarCache:
         import xgrammar as xgr
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        tokenizer = AutoTokenizer.from_pretrained(self.model_path, trust_remote_code=False)
         info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=self.vocab_size, stop_token_ids=list(self.eos_ids)
         )

@@ -6,6 +6,8 @@ dpserve reads without running the checkpoint's code."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -60,3 +62,23 @@ def test_a_family_not_served_is_refused_naming_those_that_are(tmp_path, model_ty
         ModelConfig.load(str(tmp_path))
     assert message in str(e.value)
     assert "(model_type deepseek_v2, deepseek_v3, kimi_k2, llama)" in str(e.value)
+
+
+def test_a_tokenizer_only_its_own_code_reads_stops_the_server_at_start(tmp_path):
+    """Kimi-K2 ships a tiktoken tokenizer that transformers reads only by running the checkpoint's
+    code: the server exits 2 naming why (nothing prompts, nothing runs that code, no rank is left)."""
+    path = write_tiny_model("kimi_k2", tmp_path / "kimi")
+    (path / "tokenizer.json").unlink()
+    remote = {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]}
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "TikTokenTokenizer", "auto_map": remote})
+    )
+    run = subprocess.run(
+        [sys.executable, "-m", "dpserve.launch_server", "--model-path", str(path), "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+    )
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert "its tokenizer cannot be loaded without running code shipped with the checkpoint" in run.stderr

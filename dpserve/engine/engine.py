@@ -171,7 +171,7 @@ def _load_tokenizer(model_path: str):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(model_path)
+        return AutoTokenizer.from_pretrained(model_path, trust_remote_code=False)
     except (OSError, ValueError):
         logger.warning("no tokenizer found in %s; only input_ids prompts are accepted", model_path)
         return None

@@ -152,7 +152,7 @@ def read_hf_config(model_path: str | Path) -> tuple[PretrainedConfig, str]:
     family = raw.get("model_type", "")
     if family not in CONFIG_ALIASES:
         try:
-            return AutoConfig.from_pretrained(model_path), family
+            return AutoConfig.from_pretrained(model_path, trust_remote_code=False), family
         except (ValueError, KeyError) as e:  # a model_type transformers does not know
             raise ValueError(
                 f"{model_path}: model_type {family!r} is not one dpserve can read ({e}); {SERVED}"

@@ -82,7 +82,15 @@ class TokenizerManager:
 
         self.front = FrontEnd(cfg)
         self.cfg, self.model_cfg = self.front.cfg, self.front.model_cfg
-        self.tokenizer = AutoTokenizer.from_pretrained(self.cfg.model_path)
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(self.cfg.model_path, trust_remote_code=False)
+        except (OSError, ValueError) as e:  # none there, or one only its own code reads (Kimi's tiktoken)
+            self.front.shutdown()
+            raise ValueError(
+                f"{self.cfg.model_path}: its tokenizer cannot be loaded without running code shipped with "
+                f"the checkpoint ({str(e).splitlines()[0]}); the server needs it (the offline Engine serves "
+                "input_ids without one)"
+            ) from None
         self.info = self.front.server_info()
         self.metrics_registry = ServerMetrics(self.front.metrics)
         self.failure: str | None = None
