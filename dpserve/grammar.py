@@ -127,9 +127,10 @@ class GrammarCache:
 
     def _make_compiler(self) -> xgrammar.GrammarCompiler:
         import xgrammar as xgr
-        from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(self.model_path, trust_remote_code=False)
+        from dpserve.models.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(self.model_path)
         info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=self.vocab_size, stop_token_ids=list(self.eos_ids)
         )

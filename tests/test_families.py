@@ -5,6 +5,7 @@ dpserve reads without running the checkpoint's code."""
 
 from __future__ import annotations
 
+import base64
 import json
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import pytest
 from conftest import GREEDY, KV_BUDGET_GB, assert_matches_reference
 
 from dpserve.models.config import ModelConfig
+from dpserve.models.tokenizer import load_tokenizer
 from dpserve.testing.reference import hf_greedy_reference
 from dpserve.testing.tiny_models import write_tiny_model
 
@@ -65,8 +67,9 @@ def test_a_family_not_served_is_refused_naming_those_that_are(tmp_path, model_ty
 
 
 def test_a_tokenizer_only_its_own_code_reads_stops_the_server_at_start(tmp_path):
-    """Kimi-K2 ships a tiktoken tokenizer that transformers reads only by running the checkpoint's
-    code: the server exits 2 naming why (nothing prompts, nothing runs that code, no rank is left)."""
+    """A tokenizer transformers reads only by running the checkpoint's code (and no tiktoken.model
+    to convert): the server exits 2 naming why; nothing prompts, nothing runs that code, no rank is
+    left."""
     path = write_tiny_model("kimi_k2", tmp_path / "kimi")
     (path / "tokenizer.json").unlink()
     remote = {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]}
@@ -82,3 +85,39 @@ def test_a_tokenizer_only_its_own_code_reads_stops_the_server_at_start(tmp_path)
     )
     assert run.returncode == 2, run.stderr[-2000:]
     assert "its tokenizer cannot be loaded without running code shipped with the checkpoint" in run.stderr
+
+
+def test_kimis_tiktoken_tokenizer_is_converted_without_its_code(tmp_path):
+    """tiktoken.model (base64 token, rank) as a fast byte-level BPE: merges in rank order as
+    tiktoken applies them, runs of Han characters split apart, special tokens at the ids after the
+    ranks (named by added_tokens_decoder, else reserved), its chat template; decode inverts encode."""
+    ranks = [bytes([b]) for b in range(256)] + [b"th", b"he", b"the", b" t", b" the", b"in", b"ing"]
+    han = "中".encode()
+    ranks += [han[:2], han]
+    (tmp_path / "tiktoken.model").write_text(
+        "".join(f"{base64.b64encode(t).decode()} {i}\n" for i, t in enumerate(ranks))
+    )
+    n = len(ranks)
+    named = {str(n): "[BOS]", str(n + 1): "[EOS]", str(n + 3): "<|im_end|>"}
+    config = {
+        "tokenizer_class": "TikTokenTokenizer",
+        "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]},
+        "added_tokens_decoder": {i: {"content": t, "special": True} for i, t in named.items()},
+        "bos_token": "[BOS]",
+        "eos_token": {"content": "[EOS]"},
+        "chat_template": "{% for m in messages %}{{ m['content'] }}<|im_end|>{% endfor %}",
+    }
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = load_tokenizer(tmp_path)
+    assert (tok.bos_token_id, tok.eos_token_id, len(tok)) == (n, n + 1, n + 258)
+    assert tok.convert_ids_to_tokens(n + 2) == f"<|reserved_token_{n + 2}|>"
+    the, th, ing, space, han_id = 258, 256, 262, 32, n - 1
+    cases = {
+        "the thing": [the, space, th, ing],  # " thing": "th" (rank 256) merges before " t" (259)
+        "中中文 the": [han_id, han_id, *"文".encode(), 260],  # the Han run apart from " the"
+        "hi<|im_end|>": [104, 105, n + 3],
+    }
+    for text, ids in cases.items():
+        assert tok.encode(text, add_special_tokens=False) == ids, text
+        assert tok.decode(ids) == text
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "hi<|im_end|>"

@@ -168,10 +168,10 @@ class Engine:
 
 
 def _load_tokenizer(model_path: str):
-    from transformers import AutoTokenizer
+    from dpserve.models.tokenizer import load_tokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(model_path, trust_remote_code=False)
+        return load_tokenizer(model_path)
     except (OSError, ValueError):
         logger.warning("no tokenizer found in %s; only input_ids prompts are accepted", model_path)
         return None

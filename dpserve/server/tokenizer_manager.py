@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from dpserve.config import EngineConfig
 from dpserve.engine.front_end import FrontEnd, RequestState
 from dpserve.engine.worker_pool import WorkerFailure
+from dpserve.models.tokenizer import load_tokenizer
 from dpserve.sampling_params import SamplingParams
 from dpserve.server.detokenizer import IncrementalDetokenizer
 from dpserve.server.metrics import ServerMetrics
@@ -78,12 +79,10 @@ class _Stream:
 
 class TokenizerManager:
     def __init__(self, cfg: EngineConfig):
-        from transformers import AutoTokenizer
-
         self.front = FrontEnd(cfg)
         self.cfg, self.model_cfg = self.front.cfg, self.front.model_cfg
         try:
-            self.tokenizer = AutoTokenizer.from_pretrained(self.cfg.model_path, trust_remote_code=False)
+            self.tokenizer = load_tokenizer(self.cfg.model_path)
         except (OSError, ValueError) as e:  # none there, or one only its own code reads (Kimi's tiktoken)
             self.front.shutdown()
             raise ValueError(
