@@ -56,7 +56,7 @@ class ReasoningSplitter:
         if self._state == "reasoning":
             end = self._buffer.find(END)
             if end < 0:
-                keep = 0 if final else _partial_tag(self._buffer, END)
+                keep = 0 if final else held_back(self._buffer, END)
                 cut = len(self._buffer) - keep
                 reasoning, self._buffer = self._buffer[:cut], self._buffer[cut:]
                 return reasoning, ""
@@ -69,8 +69,9 @@ class ReasoningSplitter:
         return reasoning, content
 
 
-def _partial_tag(text: str, tag: str) -> int:
-    """Length of the longest end of `text` that begins `tag`."""
+def held_back(text: str, tag: str) -> int:
+    """Length of the longest end of `text` that begins `tag`: what a stream holds back until it
+    knows whether the tag follows."""
     return next((n for n in range(min(len(text), len(tag) - 1), 0, -1) if tag.startswith(text[-n:])), 0)
 
 

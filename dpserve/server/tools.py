@@ -18,6 +18,8 @@ import re
 import uuid
 from dataclasses import dataclass
 
+from dpserve.server.reasoning import held_back
+
 DEEPSEEK_CALL = re.compile(
     r"<｜tool▁call▁begin｜>(?P<type>.*?)<｜tool▁sep｜>(?P<name>.*?)\n```json\n(?P<args>.*?)\n```<｜tool▁call▁end｜>",
     re.DOTALL,
@@ -131,7 +133,7 @@ class ToolCallStream:
         if not self._calling:
             at = self._call_start()
             if at is None:
-                hold = 0 if final else _partial(self.text[self._sent :], STARTS[self.parser])
+                hold = 0 if final else held_back(self.text[self._sent :], STARTS[self.parser])
                 end = len(self.text) - hold
             else:
                 self._calling, end = True, at
@@ -149,8 +151,3 @@ class ToolCallStream:
         if at < 0 and self.parser == "llama3" and not self.text[: self._sent].strip():
             at = self.text.find("{") if self.text.lstrip().startswith("{") else -1
         return None if at < 0 else at
-
-
-def _partial(text: str, tag: str) -> int:
-    """Length of the longest end of `text` that begins `tag`."""
-    return next((n for n in range(min(len(text), len(tag) - 1), 0, -1) if tag.startswith(text[-n:])), 0)
