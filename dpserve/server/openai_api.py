@@ -98,8 +98,8 @@ class OpenAIServing:
     async def chat(self, req: ChatCompletionRequest, request: Request):
         self.check_model(req.model)
         messages = [m.as_template_input() for m in req.messages]
-        mode, parser = req.tool_mode, self.tm.cfg.tool_call_parser
-        if mode == "auto" and parser is None:
+        mode, tool_parser = req.tool_mode, self.tm.cfg.tool_call_parser
+        if mode == "auto" and tool_parser is None:
             raise RequestError(
                 'tools with tool_choice "auto" need the server started with --tool-call-parser (the model '
                 'family\'s format of calls); "required" or a named function work without it'
@@ -113,9 +113,9 @@ class OpenAIServing:
             )
         except TypeError as e:  # a chat_template_kwargs key the template function refuses
             raise RequestError(f"chat_template_kwargs: {e}") from None
-        parser = self.tm.cfg.reasoning_parser
-        thinking = parser is not None and not (
-            parser == "qwen3" and (req.chat_template_kwargs or {}).get("enable_thinking") is False
+        reasoning_parser = self.tm.cfg.reasoning_parser
+        thinking = reasoning_parser is not None and not (
+            reasoning_parser == "qwen3" and (req.chat_template_kwargs or {}).get("enable_thinking") is False
         )
         # A grammar applies once the reasoning ends, as SGLang's reasoner grammars do.
         grammar = thinking and any(v is not None for v in req.grammar.values())
@@ -123,8 +123,8 @@ class OpenAIServing:
         subs = self._submissions(req, [ids], req.max_new_tokens, req.logprobs, after)
         splitters = None
         if thinking and req.separate_reasoning:
-            splitters = [ReasoningSplitter(parser, req.stream_reasoning) for _ in subs]
-        calls = None if mode == "none" else [ToolCallStream(self.tm.cfg.tool_call_parser, mode) for _ in subs]
+            splitters = [ReasoningSplitter(reasoning_parser, req.stream_reasoning) for _ in subs]
+        calls = None if mode == "none" else [ToolCallStream(tool_parser, mode) for _ in subs]
         choice = partial(self._chat_choice, splitters=splitters, calls=calls)
         return await self._respond(req, request, subs, "chat.completion", choice)
 

@@ -18,7 +18,7 @@ from typing import Annotated, Any, ClassVar, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 from pydantic_core import PydanticCustomError
 
-from dpserve.grammar import JSON_OBJECT
+from dpserve.grammar import JSON_OBJECT, KINDS
 from dpserve.sampling_params import (
     INT64_MAX,
     INT64_MIN,
@@ -170,7 +170,7 @@ class _OpenAIRequest(_Strict):
     @property
     def grammar(self) -> dict[str, str | None]:
         """The structured-output fields of SamplingParams."""
-        return {"json_schema": self.json_schema, "regex": self.regex, "ebnf": self.ebnf}
+        return {kind: getattr(self, kind) for kind in KINDS}
 
     def sampling_params(self, max_new_tokens: int, choice: int) -> SamplingParams:
         # With n > 1 and a seed, each choice gets its own seed so that choices differ.

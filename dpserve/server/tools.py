@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dpserve.server.reasoning import held_back
 
@@ -28,14 +28,15 @@ QWEN_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 STARTS = {"deepseekv3": "<｜tool▁calls▁begin｜>", "llama3": "<|python_tag|>", "qwen25": "<tool_call>"}
 
 
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 @dataclass
 class ToolCall:
     name: str
     arguments: str  # JSON text, as OpenAI sends it
-    id: str = ""
-
-    def __post_init__(self):
-        self.id = self.id or f"call_{uuid.uuid4().hex[:24]}"
+    id: str = field(default_factory=call_id)
 
     def as_dict(self, index: int | None = None) -> dict:
         out = {
@@ -75,13 +76,11 @@ def forced_calls(text: str) -> list[ToolCall]:
 def parse_calls(text: str, parser: str) -> tuple[str, list[ToolCall]]:
     """(content, calls) of a reply in `parser`'s format; a reply with no well-formed call is all
     content."""
-    start = STARTS[parser]
-    at = text.find(start)
-    if parser == "llama3" and at < 0 and text.lstrip().startswith("{"):
-        at, start = text.find("{"), ""
-    if at < 0:
+    found = call_start(text, parser)
+    if found is None:
         return text, []
-    content, body = text[:at].rstrip(), text[at + len(start) :]
+    at, marker = found
+    content, body = text[:at].rstrip(), text[at + marker :]
     try:
         if parser == "qwen25":
             found = [json.loads(m) for m in QWEN_CALL.findall(text[at:])]
@@ -118,7 +117,7 @@ class ToolCallStream:
         self.text, self._sent = "", 0  # the whole reply, and how much of it went out as content
         self._calling = self.forced
         self.called = False  # a call went out
-        self._id = ToolCall("", "").id
+        self._id = call_id()  # the named function's call, streamed in pieces
 
     def feed(self, text: str, final: bool) -> tuple[str, list[dict]]:
         """(content, tool_calls deltas) to send now."""
@@ -131,12 +130,12 @@ class ToolCallStream:
             return "", [call.as_dict(0)]
         out = ""
         if not self._calling:
-            at = self._call_start()
-            if at is None:
+            found = call_start(self.text, self.parser, self._sent)
+            if found is None:
                 hold = 0 if final else held_back(self.text[self._sent :], STARTS[self.parser])
                 end = len(self.text) - hold
             else:
-                self._calling, end = True, at
+                self._calling, end = True, found[0]
             out, self._sent = self.text[self._sent : end], end
         if not (final and self._calling):
             return out, []
@@ -146,8 +145,14 @@ class ToolCallStream:
         self.called = bool(calls)
         return out, [c.as_dict(k) for k, c in enumerate(calls)]
 
-    def _call_start(self) -> int | None:
-        at = self.text.find(STARTS[self.parser], self._sent)
-        if at < 0 and self.parser == "llama3" and not self.text[: self._sent].strip():
-            at = self.text.find("{") if self.text.lstrip().startswith("{") else -1
-        return None if at < 0 else at
+
+def call_start(text: str, parser: str, after: int = 0) -> tuple[int, int] | None:
+    """Where the first call starts in `text` (from `after`) in `parser`'s format, and its marker's
+    length; llama3 may also write a bare JSON call as the whole reply (no marker)."""
+    marker = STARTS[parser]
+    at = text.find(marker, after)
+    if at >= 0:
+        return at, len(marker)
+    if parser == "llama3" and not text[:after].strip() and text.lstrip().startswith("{"):
+        return text.find("{"), 0
+    return None

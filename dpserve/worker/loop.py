@@ -264,8 +264,10 @@ class Worker:
             batch = None
             if self.scheduler is not None:  # 1. the leader schedules
                 self.report = StepReport(self.dp_rank)
-                waiting = self.scheduler.compiling  # then poll often: its grammar may be ready any time
-                shutdown |= self._drain(wait_ms=(GRAMMAR_POLL_MS if waiting else IDLE_WAIT_MS) if idle else 0)
+                wait_ms = 0
+                if idle:  # poll often while a queued grammar compiles: it may be ready any time
+                    wait_ms = GRAMMAR_POLL_MS if self.scheduler.compiling else IDLE_WAIT_MS
+                shutdown |= self._drain(wait_ms=wait_ms)
                 batch = self.scheduler.schedule()
                 batch.shutdown = shutdown
                 self.report.cached = self.scheduler.admitted
