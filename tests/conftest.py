@@ -17,6 +17,7 @@ from dpserve.testing.reference import hf_greedy_reference, random_prompts
 from dpserve.testing.tiny_models import write_tiny_model
 
 ARCHS = ("deepseek_v2", "deepseek_v3", "llama")
+FAMILY_ARCHS = ("kimi_k2", "qwen3", "qwen3_moe")  # checked in test_families.py (their references there)
 KV_BUDGET_GB = 0.002  # the same per-rank KV budget for every parity engine
 NEW_TOKENS = 16
 GREEDY = {"max_new_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True}
@@ -27,7 +28,9 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("models")
     # DeepseekV3 is written as a sharded checkpoint so the index path is exercised too.
     shard = {"deepseek_v3": "100KB"}
-    return {a: str(write_tiny_model(a, root / a, seed=0, shard_size=shard.get(a))) for a in ARCHS}
+    return {
+        a: str(write_tiny_model(a, root / a, seed=0, shard_size=shard.get(a))) for a in ARCHS + FAMILY_ARCHS
+    }
 
 
 @pytest.fixture(scope="session")

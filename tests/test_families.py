@@ -1,7 +1,9 @@
-"""The MoE families served besides DeepSeek-V2/V3 (docs/design.md, "Families"): each tiny random
-checkpoint, written by transformers, gives transformers' greedy tokens in every layout. Kimi-K2 is
-DeepSeek-V3's architecture under its own config.json (model_type kimi_k2, code in auto_map), which
-dpserve reads without running the checkpoint's code."""
+"""The families served besides DeepSeek-V2/V3 and Llama (docs/design.md, "Model families"): each
+tiny random checkpoint, written by transformers, gives transformers' greedy tokens in every layout.
+Kimi-K2 is DeepSeek-V3's architecture under its own config.json (model_type kimi_k2, code in
+auto_map), which dpserve reads without running the checkpoint's code. Qwen3-MoE: GQA with a head_dim
+that is not hidden / heads, per-head q/k norm, softmax top-k renormalised, no shared experts, a dense
+layer among the MoE ones (mlp_only_layers)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import GREEDY, KV_BUDGET_GB, assert_matches_reference
+from conftest import FAMILY_ARCHS, GREEDY, KV_BUDGET_GB, assert_matches_reference
 
 from dpserve.models.config import ModelConfig
 from dpserve.models.tokenizer import load_tokenizer
@@ -21,13 +23,18 @@ from dpserve.testing.tiny_models import write_tiny_model
 
 
 @pytest.fixture(scope="module")
-def kimi(tmp_path_factory) -> str:
-    return str(write_tiny_model("kimi_k2", tmp_path_factory.mktemp("kimi") / "kimi_k2"))
+def kimi(model_dirs) -> str:
+    return model_dirs["kimi_k2"]
 
 
 @pytest.fixture(scope="module")
-def kimi_refs(kimi, prompts):
-    return hf_greedy_reference(kimi, prompts, GREEDY["max_new_tokens"])
+def qwen3_moe(model_dirs) -> str:
+    return model_dirs["qwen3_moe"]
+
+
+@pytest.fixture(scope="module")
+def family_refs(model_dirs, prompts) -> dict:
+    return {a: hf_greedy_reference(model_dirs[a], prompts, GREEDY["max_new_tokens"]) for a in FAMILY_ARCHS}
 
 
 def test_kimi_config_is_read_without_its_code(kimi):
@@ -39,21 +46,61 @@ def test_kimi_config_is_read_without_its_code(kimi):
 
 
 @pytest.mark.parametrize("tp,dp,ep", [(1, 1, 1), (2, 2, 1), (4, 2, 1), (4, 4, 4)])
-def test_kimi_greedy_matches_transformers(engine_cache, kimi, kimi_refs, prompts, tp, dp, ep):
+def test_kimi_greedy_matches_transformers(engine_cache, kimi, family_refs, prompts, tp, dp, ep):
     engine = engine_cache.get(
         kimi, tp_size=tp, dp_size=dp, enable_dp_attention=dp > 1, ep_size=ep, kv_cache_memory_gb=KV_BUDGET_GB
     )
     outs = engine.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True)
-    assert_matches_reference(outs, kimi_refs)
+    assert_matches_reference(outs, family_refs["kimi_k2"])
+
+
+def test_qwen3_moe_config_declares_its_layers(qwen3_moe):
+    cfg = ModelConfig.load(qwen3_moe)
+    assert (cfg.family, cfg.is_mla, cfg.declaration.qk_norm) == ("qwen3_moe", False, True)
+    moe = cfg.moe
+    assert (moe.num_experts, moe.top_k, moe.scoring, moe.norm_topk_prob, moe.shared_intermediate_size) == (
+        8,
+        2,
+        "softmax",
+        True,
+        0,
+    )
+    assert cfg.dense_layers == [1]  # mlp_only_layers
+
+
+@pytest.mark.parametrize(
+    "tp,dp,ep,a2a", [(1, 1, 1, "none"), (2, 2, 1, "none"), (4, 2, 1, "none"), (4, 4, 4, "all_to_all")]
+)
+def test_qwen3_moe_greedy_matches_transformers(
+    engine_cache, qwen3_moe, family_refs, prompts, tp, dp, ep, a2a
+):
+    engine = engine_cache.get(
+        qwen3_moe,
+        tp_size=tp,
+        dp_size=dp,
+        enable_dp_attention=dp > 1,
+        ep_size=ep,
+        moe_a2a_backend=a2a,
+        kv_cache_memory_gb=KV_BUDGET_GB,
+    )
+    outs = engine.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True)
+    assert_matches_reference(outs, family_refs["qwen3_moe"])
+
+
+def test_qwen3_dense_greedy_matches_transformers(engine_cache, model_dirs, family_refs, prompts):
+    """Qwen3 without experts: the same attention, split over two attention-TP ranks."""
+    engine = engine_cache.get(model_dirs["qwen3"], tp_size=2, kv_cache_memory_gb=KV_BUDGET_GB)
+    outs = engine.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True)
+    assert_matches_reference(outs, family_refs["qwen3"])
 
 
 @pytest.mark.parametrize(
     "model_type,arch,message",
     [
         (
-            "qwen3_moe",
-            "Qwen3MoeForCausalLM",
-            "unsupported architecture 'Qwen3MoeForCausalLM' (model_type 'qwen3_moe')",
+            "glm4_moe",
+            "Glm4MoeForCausalLM",
+            "unsupported architecture 'Glm4MoeForCausalLM' (model_type 'glm4_moe')",
         ),
         ("made_up", "MadeUpForCausalLM", "model_type 'made_up' is not one dpserve can read"),
     ],
@@ -63,7 +110,8 @@ def test_a_family_not_served_is_refused_naming_those_that_are(tmp_path, model_ty
     with pytest.raises(ValueError) as e:
         ModelConfig.load(str(tmp_path))
     assert message in str(e.value)
-    assert "(model_type deepseek_v2, deepseek_v3, kimi_k2, llama)" in str(e.value)
+    assert "Qwen3MoeForCausalLM (model_type qwen3_moe)" in str(e.value)
+    assert "DeepseekV3ForCausalLM (model_type kimi_k2)" in str(e.value)
 
 
 def test_a_tokenizer_only_its_own_code_reads_stops_the_server_at_start(tmp_path):

@@ -3,8 +3,6 @@ per-expert loop the CPU runs (`dpserve.layers.mlp.experts_loop`)."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -14,6 +12,7 @@ from dpserve.layers.fused_moe import fused_experts, moe_align_block_size
 from dpserve.layers.mlp import MoE
 from dpserve.layers.mlp import experts_loop as loop_reference
 from dpserve.layers.norm import RMSNorm
+from dpserve.models.family import MoESpec
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 
@@ -103,21 +102,23 @@ class LargestAllocations(TorchDispatchMode):
 
 
 def moe_layer(hidden=32, inter=16, experts=8, top_k=2) -> MoE:
-    cfg = SimpleNamespace(
-        hidden_size=hidden,
-        n_routed_experts=experts,
-        num_experts_per_tok=top_k,
+    spec = MoESpec(
+        num_experts=experts,
+        experts_field="n_routed_experts",
+        top_k=top_k,
+        intermediate_size=inter,
+        shared_intermediate_size=inter,
+        scoring="sigmoid",
         topk_method="noaux_tc",
-        scoring_func="sigmoid",
-        n_group=4,
-        topk_group=2,
+        num_groups=4,
+        topk_groups=2,
         norm_topk_prob=True,
-        routed_scaling_factor=2.5,
+        scaling=2.5,
     )
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)  # as the engine builds it: the router stays float32
     try:
-        moe = MoE(cfg, inter, inter)
+        moe = MoE(spec, hidden, inter, inter)
     finally:
         torch.set_default_dtype(previous)
     g = torch.Generator().manual_seed(5)

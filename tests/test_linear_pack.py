@@ -3,14 +3,13 @@ same bits as F.linear on the plain weights, at every row count, with the plain w
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from dpserve.layers.linear import Linear, pack_linears_for_cpu
 from dpserve.layers.mlp import MoE
+from dpserve.models.family import MoESpec
 
 pytestmark = pytest.mark.skipif(
     not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="this CPU has no oneDNN bfloat16"
@@ -45,18 +44,16 @@ def test_only_packable_bfloat16_cpu_layers_are_packed():
 
 
 def moe(dtype: torch.dtype = torch.bfloat16) -> MoE:
-    cfg = SimpleNamespace(
-        hidden_size=96,
-        n_routed_experts=6,
-        num_experts_per_tok=2,
+    spec = MoESpec(
+        num_experts=6,
+        experts_field="n_routed_experts",
+        top_k=2,
+        intermediate_size=40,
+        shared_intermediate_size=24,
+        scoring="softmax",
         topk_method="greedy",
-        scoring_func="softmax",
-        n_group=None,
-        topk_group=None,
-        norm_topk_prob=False,
-        routed_scaling_factor=1.0,
     )
-    layer = MoE(cfg, intermediate_local=40, shared_local=24)
+    layer = MoE(spec, 96, intermediate_local=40, shared_local=24)
     g = torch.Generator().manual_seed(5)
     for p in layer.parameters():
         p.data = (torch.randn(p.shape, generator=g) / 8).to(torch.float32 if p is layer.gate else dtype)

@@ -34,6 +34,7 @@ CASES = [
     ("deepseek_v3", 4, 2, True, KV_GB),
     ("deepseek_v2", 4, 4, True, KV_GB),
     ("llama", 2, 1, False, KV_GB),  # tp=2 without DP attention
+    ("qwen3_moe", 4, 2, True, KV_GB),  # GQA + MoE: one KV head per attention-TP rank
     (SMOLLM2, 2, 2, True, KV_GB),
 ]
 

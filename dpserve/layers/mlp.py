@@ -5,6 +5,7 @@ all_to_all dispatch) return each rank's own rows finished."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +17,9 @@ from dpserve.layers.ep_dispatch import dispatch_combine
 from dpserve.layers.linear import Linear, onednn_packs, pack, packed_linear
 from dpserve.memory import moe_chunk_rows
 from dpserve.step.records import StepLayout
+
+if TYPE_CHECKING:
+    from dpserve.models.family import MoESpec
 
 
 class MLP(nn.Module):
@@ -45,36 +49,29 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def select_experts(
-    router_logits: torch.Tensor,
-    top_k: int,
-    method: str,
-    scoring: str,
-    num_groups: int,
-    topk_groups: int,
-    correction_bias: torch.Tensor | None,
-    norm_topk_prob: bool,
-    scaling: float,
+    router_logits: torch.Tensor, spec: MoESpec, correction_bias: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek routing: returns (weights, expert ids), both [rows, top_k]."""
-    scores = router_logits.softmax(-1) if scoring == "softmax" else router_logits.sigmoid()
+    """The routing `spec` declares: returns (weights, expert ids), both [rows, top_k]."""
+    scores = router_logits.softmax(-1) if spec.scoring == "softmax" else router_logits.sigmoid()
     choice = scores if correction_bias is None else scores + correction_bias
+    method = spec.topk_method
     if method in ("group_limited_greedy", "noaux_tc"):
-        grouped = choice.view(choice.shape[0], num_groups, choice.shape[1] // num_groups)
+        grouped = choice.view(choice.shape[0], spec.num_groups, choice.shape[1] // spec.num_groups)
         if method == "noaux_tc":
             group_scores = grouped.topk(2, dim=-1).values.sum(-1)
         else:
             group_scores = grouped.max(dim=-1).values
         keep = torch.zeros_like(group_scores, dtype=torch.bool)
-        keep.scatter_(1, group_scores.topk(topk_groups, dim=-1).indices, True)
+        keep.scatter_(1, group_scores.topk(spec.topk_groups, dim=-1).indices, True)
         fill = float("-inf") if method == "noaux_tc" else 0.0
         choice = grouped.masked_fill(~keep.unsqueeze(-1), fill).flatten(1)
     elif method != "greedy":
         raise ValueError(f"unsupported topk_method {method!r}")
-    ids = choice.topk(top_k, dim=-1).indices
+    ids = choice.topk(spec.top_k, dim=-1).indices
     weights = scores.gather(1, ids)
-    if norm_topk_prob and top_k > 1:
+    if spec.norm_topk_prob:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-    return weights * scaling, ids
+    return weights * spec.scaling, ids
 
 
 class MoE(nn.Module):
@@ -84,7 +81,8 @@ class MoE(nn.Module):
 
     def __init__(
         self,
-        cfg,
+        spec: MoESpec,
+        hidden: int,
         intermediate_local: int,
         shared_local: int,
         experts: tuple[int, int] | None = None,
@@ -92,19 +90,14 @@ class MoE(nn.Module):
         world_group: ProcessGroup | None = None,
     ):
         super().__init__()
-        h, e = cfg.hidden_size, cfg.n_routed_experts
+        h, e = hidden, spec.num_experts
+        self.spec = spec
         self.first_expert, self.num_experts = experts or (0, e)
-        self.top_k = cfg.num_experts_per_tok
-        self.topk_method = cfg.topk_method
-        self.scoring = cfg.scoring_func
-        self.num_groups = cfg.n_group or 1
-        self.topk_groups = cfg.topk_group or 1
-        self.norm_topk_prob = bool(cfg.norm_topk_prob)
-        self.scaling = cfg.routed_scaling_factor
+        self.top_k = spec.top_k
         self.gate = nn.Parameter(torch.empty(e, h, dtype=torch.float32), requires_grad=False)
         self.correction_bias = (
             nn.Parameter(torch.zeros(e, dtype=torch.float32), requires_grad=False)
-            if self.topk_method == "noaux_tc"
+            if spec.correction_bias
             else None
         )
         n = self.num_experts
@@ -154,17 +147,7 @@ class MoE(nn.Module):
     def _route(self, x: torch.Tensor, real_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights, expert ids) of each row, from float32 router logits; counts real rows' choices."""
         logits = F.linear(x.float(), self.gate)
-        weights, ids = select_experts(
-            logits,
-            self.top_k,
-            self.topk_method,
-            self.scoring,
-            self.num_groups,
-            self.topk_groups,
-            self.correction_bias,
-            self.norm_topk_prob,
-            self.scaling,
-        )
+        weights, ids = select_experts(logits, self.spec, self.correction_bias)
         if real_rows is not None:
             self.load.index_add_(0, ids.flatten(), real_rows.repeat_interleave(self.top_k))
         return weights, ids

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dpserve.attention.backend import AttentionBackend
+from dpserve.config import EngineConfig
 from dpserve.distributed import Groups, Topology, all_gather
 from dpserve.kvcache.pool import KVPool
 from dpserve.layers.dp_comm import DPComm
@@ -52,6 +53,25 @@ class DecoderLayer(nn.Module):
             *self.self_attn.weights(f"{prefix}.self_attn"),
             *mlp_table(mlp, f"{prefix}.mlp", topo),
         ]
+
+
+def build_mlp(cfg: ModelConfig, groups: Groups, options: EngineConfig, index: int) -> MLP | MoE:
+    """Layer `index`'s MLP: dense (split over the tp ranks, or replicated with moe_dense_tp_size 1)
+    or MoE (each expert split over the tp ranks, or whole experts per rank with ep_size tp)."""
+    spec, t, h = cfg.moe, groups.topo.tp_size, cfg.hidden_size
+    if spec is None or not spec.is_moe_layer(index):
+        if options.moe_dense_tp_size == 1:
+            return MLP(h, cfg.hf.intermediate_size, replicated=True)
+        return MLP(h, cfg.hf.intermediate_size // t)
+    # Beside all_to_all dispatch each rank keeps only its own rows: shared experts run there whole.
+    a2a = options.moe_a2a_backend == "all_to_all"
+    shared = spec.shared_intermediate_size
+    shared_local = shared if a2a else shared // t
+    if options.ep_size == 1:
+        return MoE(spec, h, spec.intermediate_size // t, shared_local)
+    per_rank = spec.num_experts // options.ep_size
+    experts = (groups.topo.rank * per_rank, per_rank)
+    return MoE(spec, h, spec.intermediate_size, shared_local, experts, a2a, groups.world)
 
 
 def mlp_weights(mlp: MLP, prefix: str, topo: Topology) -> list[Weight]:

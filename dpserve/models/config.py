@@ -10,15 +10,8 @@ from pathlib import Path
 from transformers import AutoConfig, PretrainedConfig
 
 from dpserve.config import EngineConfig
+from dpserve.models.family import FAMILIES, SERVED, Family, MoESpec
 from dpserve.models.loader import CheckpointReader
-
-MLA_ARCHS = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
-SUPPORTED_ARCHS = (*MLA_ARCHS, "LlamaForCausalLM")
-# Families whose config transformers reads only by running the checkpoint's own code: read here as
-# the family they are built on (Kimi-K2 is DeepSeek-V3's architecture with its own numbers).
-CONFIG_ALIASES = {"kimi_k2": "deepseek_v3"}
-FAMILIES = ("deepseek_v2", "deepseek_v3", "kimi_k2", "llama")  # config.json model_types served
-SERVED = f"dpserve serves {', '.join(SUPPORTED_ARCHS)} (model_type {', '.join(FAMILIES)})"
 
 
 @dataclass
@@ -37,17 +30,22 @@ class ModelConfig:
     path: str = ""
     num_mtp_layers: int = 0  # DeepSeek's num_nextn_predict_layers: MTP layers after the decoder layers
     family: str = ""  # config.json's model_type (kimi_k2 for Kimi-K2, whose hf config is DeepSeek-V3's)
+    moe: MoESpec | None = None  # None: a dense model
+
+    @property
+    def declaration(self) -> Family:
+        return FAMILIES[self.family]
 
     @property
     def is_mla(self) -> bool:
-        return self.arch in MLA_ARCHS
+        return self.declaration.attention == "mla"
 
     @classmethod
     def load(cls, model_path: str) -> ModelConfig:
         check_model_dir(model_path)
         hf, family = read_hf_config(model_path)
         arch = (hf.architectures or ["?"])[0]
-        if arch not in SUPPORTED_ARCHS:
+        if family not in FAMILIES or arch not in FAMILIES[family].archs:
             raise ValueError(f"unsupported architecture {arch!r} (model_type {family!r}); {SERVED}")
         quant = getattr(hf, "quantization_config", None)
         if quant:
@@ -74,6 +72,7 @@ class ModelConfig:
             path=str(model_path),
             num_mtp_layers=getattr(hf, "num_nextn_predict_layers", None) or 0,
             family=family,
+            moe=FAMILIES[family].moe(hf),
         )
 
     def validate(self, cfg: EngineConfig) -> None:
@@ -103,23 +102,22 @@ class ModelConfig:
             raise ValueError(
                 f"num_key_value_heads={self.num_kv_heads} must divide or be divisible by {a} {layout}{hint}"
             )
-        moe = self.is_mla and bool(self.hf.n_routed_experts)
-        if cfg.ep_size > 1 and not moe:
+        moe = self.moe
+        if cfg.ep_size > 1 and moe is None:
             raise ValueError(f"ep_size={cfg.ep_size} splits routed experts, but {self.arch} has none")
-        if cfg.ep_size > 1 and self.hf.n_routed_experts % cfg.ep_size:
+        if cfg.ep_size > 1 and moe.num_experts % cfg.ep_size:
             raise ValueError(
-                f"n_routed_experts={self.hf.n_routed_experts} is not divisible by ep_size={cfg.ep_size} {layout}"
+                f"{moe.experts_field}={moe.num_experts} is not divisible by ep_size={cfg.ep_size} {layout}"
             )
         # What is split over the tp ranks: dense MLPs (unless replicated), each routed expert (TP
         # MoE), the shared experts (unless replicated beside all_to_all dispatch).
         sizes = {}
-        if not (moe and self.hf.first_k_dense_replace == 0) and cfg.moe_dense_tp_size != 1:
+        if self.dense_layers and cfg.moe_dense_tp_size != 1:
             sizes["intermediate_size"] = self.hf.intermediate_size
         if moe and cfg.ep_size == 1:
-            sizes["moe_intermediate_size"] = self.hf.moe_intermediate_size
+            sizes["moe_intermediate_size"] = moe.intermediate_size
         if moe and cfg.moe_a2a_backend != "all_to_all":
-            shared = self.hf.moe_intermediate_size * (self.hf.n_shared_experts or 0)
-            sizes["moe_intermediate_size * n_shared_experts"] = shared
+            sizes["moe_intermediate_size * n_shared_experts"] = moe.shared_intermediate_size
         for name, size in sizes.items():
             if size % t:
                 tps = [n for n in range(1, t + 1) if all(v % n == 0 for v in sizes.values())]
@@ -127,6 +125,11 @@ class ModelConfig:
                     f"{name}={size} is not divisible by tp_size={t} {layout}; tp sizes up to {t} that "
                     f"divide it: {', '.join(map(str, tps))}"
                 )
+
+    @property
+    def dense_layers(self) -> list[int]:
+        """The decoder layers whose MLP is dense."""
+        return [i for i in range(self.num_layers) if self.moe is None or not self.moe.is_moe_layer(i)]
 
     def check_mtp(self) -> None:
         """Raises ValueError unless the checkpoint carries an MTP layer that NEXTN can draft with."""
@@ -146,11 +149,12 @@ class ModelConfig:
 
 def read_hf_config(model_path: str | Path) -> tuple[PretrainedConfig, str]:
     """The checkpoint's transformers config and its family (config.json's model_type), without
-    running code shipped with the checkpoint: a family of CONFIG_ALIASES is read as the one it is
-    built on (its `auto_map` ignored)."""
+    running code shipped with the checkpoint: a family read as another (`Family.config_as`) is read
+    as the one it is built on (its `auto_map` ignored)."""
     raw = json.loads((Path(model_path) / "config.json").read_text())
     family = raw.get("model_type", "")
-    if family not in CONFIG_ALIASES:
+    config_as = FAMILIES[family].config_as if family in FAMILIES else ""
+    if not config_as:
         try:
             return AutoConfig.from_pretrained(model_path, trust_remote_code=False), family
         except (ValueError, KeyError) as e:  # a model_type transformers does not know
@@ -158,7 +162,7 @@ def read_hf_config(model_path: str | Path) -> tuple[PretrainedConfig, str]:
                 f"{model_path}: model_type {family!r} is not one dpserve can read ({e}); {SERVED}"
             ) from None
     fields = {k: v for k, v in raw.items() if k not in ("model_type", "auto_map")}
-    return AutoConfig.for_model(CONFIG_ALIASES[family], **fields), family
+    return AutoConfig.for_model(config_as, **fields), family
 
 
 def check_model_dir(model_path: str) -> None:

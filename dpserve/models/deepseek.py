@@ -14,9 +14,9 @@ from dpserve.config import EngineConfig
 from dpserve.distributed import Groups, Topology
 from dpserve.kvcache.pool import KVPool
 from dpserve.layers.linear import Linear
-from dpserve.layers.mlp import MLP, MoE
 from dpserve.layers.norm import RMSNorm
 from dpserve.layers.rotary import RotaryEmbedding, yarn_softmax_scale
+from dpserve.models.base import build_mlp
 from dpserve.models.batch import ForwardBatch
 from dpserve.models.config import ModelConfig
 from dpserve.models.loader import Weight
@@ -214,38 +214,15 @@ def build_deepseek_layers(
     """The decoder layers' (attention, MLP) pairs; with NEXTN the MTP layer's pair last (model layer
     `num_layers`, whose KV lives in a pool of its own: KV layer 0)."""
     hf = cfg.hf
-    if cfg.arch == "DeepseekV3ForCausalLM":
-        defaults = {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}
-    else:
-        defaults = {"topk_method": "greedy", "scoring_func": "softmax"}
-    for key, value in defaults.items():
-        if getattr(hf, key, None) is None:
-            setattr(hf, key, value)
     interleaved = getattr(hf, "rope_interleave", True)
     rope = dict(hf.rope_parameters or {})
     rotary = RotaryEmbedding(hf.qk_rope_head_dim, cfg.context_len, rope, interleaved)
     mtp, topo = options.speculative_algorithm == "NEXTN", groups.topo
     kv_layers = [*range(cfg.num_layers), *([0] if mtp else [])]  # the MTP layer: KV layer 0 of its pool
     return [
-        (MLAAttention(cfg, topo, kv, backend, rotary, options.mla_prefill), _mlp(cfg, groups, options, i))
+        (
+            MLAAttention(cfg, topo, kv, backend, rotary, options.mla_prefill),
+            build_mlp(cfg, groups, options, i),
+        )
         for i, kv in enumerate(kv_layers)
     ]
-
-
-def _mlp(cfg: ModelConfig, groups: Groups, options: EngineConfig, index: int) -> nn.Module:
-    """Layer `index`'s MLP: dense (split over the tp ranks, or replicated with moe_dense_tp_size 1)
-    or MoE (each expert split over the tp ranks, or whole experts per rank with ep_size tp)."""
-    hf, t = cfg.hf, groups.topo.tp_size
-    if not (hf.n_routed_experts and index >= hf.first_k_dense_replace):
-        if options.moe_dense_tp_size == 1:
-            return MLP(cfg.hidden_size, hf.intermediate_size, replicated=True)
-        return MLP(cfg.hidden_size, hf.intermediate_size // t)
-    shared = hf.moe_intermediate_size * (hf.n_shared_experts or 0)
-    # Beside all_to_all dispatch each rank keeps only its own rows: shared experts run there whole.
-    a2a = options.moe_a2a_backend == "all_to_all"
-    shared_local = shared if a2a else shared // t
-    if options.ep_size == 1:
-        return MoE(hf, hf.moe_intermediate_size // t, shared_local)
-    per_rank = hf.n_routed_experts // options.ep_size
-    experts = (groups.topo.rank * per_rank, per_rank)
-    return MoE(hf, hf.moe_intermediate_size, shared_local, experts, a2a, groups.world)

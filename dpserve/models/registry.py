@@ -1,4 +1,4 @@
-"""The model of a checkpoint: MLA architectures (DeepSeek) or Llama, under DP attention."""
+"""The model of a checkpoint under DP attention: its family's attention (MLA or GQA), shared MLP/MoE."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from dpserve.layers.dp_comm import DPComm
 from dpserve.models.base import CausalLM, DecoderLayer
 from dpserve.models.config import ModelConfig
 from dpserve.models.deepseek import build_deepseek_layers
-from dpserve.models.llama import build_llama_layers
+from dpserve.models.gqa import build_gqa_layers
 from dpserve.models.mtp import MTPLayer
 
 
@@ -28,7 +28,7 @@ def build_model(
     if cfg.is_mla:
         pairs = build_deepseek_layers(cfg, groups, backend, options)
     else:
-        pairs = build_llama_layers(cfg, groups.topo, backend)
+        pairs = build_gqa_layers(cfg, groups, backend, options)
     layers = [DecoderLayer(cfg, attn, mlp, comm) for attn, mlp in pairs]
     mtp_layer = MTPLayer(cfg, layers.pop()) if mtp else None
     return CausalLM(cfg, groups, comm, layers, backend, mtp_layer, options.enable_dp_lm_head)

@@ -162,21 +162,20 @@ def step_tokens(cfg: EngineConfig, context_len: int) -> int:
 
 
 def activation_peak_estimate(
-    hf,
-    hidden_size: int,
+    model_cfg: ModelConfig,
     num_heads_local: int,
     tp_size: int,
     dp_size: int,
     chunk_tokens: int,
     dtype: torch.dtype,
-    is_mla: bool,
 ) -> int:
     """Bytes of the largest transient tensors of one prefill forward of `chunk_tokens` rows per DP
     group (the MoE/MLP sees dp_size times as many rows). An upper-end estimate used by the planner
     where the engine measures (`torch.cuda.max_memory_allocated` around a warm-up forward)."""
     e = dtype_bytes(dtype)
     n, rows = chunk_tokens, chunk_tokens * dp_size
-    if is_mla:
+    hf, hidden_size, moe = model_cfg.hf, model_cfg.hidden_size, model_cfg.moe
+    if model_cfg.is_mla:
         latent = hf.kv_lora_rank + hf.qk_rope_head_dim
         # q in latent space, attended latent, and the score matrix of one head group at a time
         attn = n * num_heads_local * (2 * latent + hf.v_head_dim) * e
@@ -185,14 +184,12 @@ def activation_peak_estimate(
         head_dim = getattr(hf, "head_dim", None) or hidden_size // num_heads_local // max(tp_size, 1)
         attn = 3 * n * num_heads_local * head_dim * e + n * n * num_heads_local * 4
     inter = getattr(hf, "intermediate_size", 0) or 0
-    if getattr(hf, "n_routed_experts", None):
-        inter = max(inter, hf.moe_intermediate_size * (hf.n_shared_experts or 0))
+    if moe is not None:
+        inter = max(inter, moe.shared_intermediate_size)
         # router logits in float32, plus the experts' buffers, a bounded chunk of rows at a time
-        inter_local = -(-hf.moe_intermediate_size // tp_size)
-        chunk = min(
-            rows, moe_chunk_rows(hidden_size, inter_local, hf.num_experts_per_tok, hf.n_routed_experts, e)
-        )
-        routed = chunk * (hf.n_routed_experts * 4 + hf.num_experts_per_tok * (hidden_size + inter_local) * e)
+        inter_local = -(-moe.intermediate_size // tp_size)
+        chunk = min(rows, moe_chunk_rows(hidden_size, inter_local, moe.top_k, moe.num_experts, e))
+        routed = chunk * (moe.num_experts * 4 + moe.top_k * (hidden_size + inter_local) * e)
     else:
         routed = 0
     mlp = rows * 3 * -(-inter // tp_size) * e + routed
@@ -261,14 +258,12 @@ def layout_memory(
     out.comp = components(model)
     if cfg.device == "cuda" and cfg.max_total_tokens is None and cfg.kv_cache_memory_gb is None:
         out.activation_bytes = activation_peak_estimate(
-            model_cfg.hf,
-            model_cfg.hidden_size,
+            model_cfg,
             model_cfg.num_heads // cfg.attn_tp_size,
             cfg.tp_size,
             cfg.dp_size if cfg.enable_dp_attention else 1,
             step_tokens(cfg, model_cfg.context_len),
             dtype,
-            model_cfg.is_mla,
         )
     out.kv_budget_bytes = kv_budget_bytes(
         cfg.device,

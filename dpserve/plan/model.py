@@ -17,6 +17,8 @@ BUNDLED = (
     "deepseek-v3",
     "deepseek-coder-v2-lite",
     "kimi-k2",
+    "qwen3-30b-a3b",
+    "qwen3-235b-a22b",
     "smollm2-135m",
 )
 

@@ -328,7 +328,7 @@ def make_plan(
     if nnodes > 1:
         kwargs.setdefault("dist_init_addr", "node0:29500")
     plans = []
-    moe = bool(getattr(model_cfg.hf, "n_routed_experts", None))
+    moe = model_cfg.moe is not None
     for layout in layouts or enumerate_layouts(num_gpus, moe):
         mem = layout_memory(layout, path, model_cfg, profile.device, total, kwargs)
         plans.append(plan_layout(mem, model_cfg, profile, workload, nnodes, moe_kernel))

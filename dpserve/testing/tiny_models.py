@@ -35,6 +35,10 @@ from transformers import (
     PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerFast,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>"]
@@ -169,6 +173,22 @@ _LLAMA = dict(
     max_position_embeddings=512,
     rope_parameters=_ROPE_DEFAULT,
 )
+# Qwen3: GQA whose head_dim is not hidden / heads, per-head RMSNorm on q and k. Qwen3-MoE adds softmax
+# top-k routing renormalised over the k, no shared experts, and a dense layer among the MoE ones.
+_QWEN3 = _LLAMA | dict(
+    num_hidden_layers=3,
+    head_dim=32,
+    tie_word_embeddings=False,
+    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+)
+_QWEN3_MOE = _QWEN3 | dict(
+    moe_intermediate_size=32,
+    num_experts=8,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    mlp_only_layers=[1],
+    decoder_sparse_step=1,
+)
 # Kimi-K2: DeepSeek-V3's architecture, one expert group (no group limit), its own scaling factor;
 # written as DeepSeek-V3 weights under Kimi's config.json (model_type kimi_k2, code in auto_map).
 _KIMI_K2 = _DEEPSEEK_V3 | dict(n_group=1, topk_group=1, routed_scaling_factor=2.827, n_routed_experts=16)
@@ -182,6 +202,8 @@ _SPECS: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel], dict[str,
     "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM, _DEEPSEEK_V3),
     "kimi_k2": (DeepseekV3Config, DeepseekV3ForCausalLM, _KIMI_K2),
     "llama": (LlamaConfig, LlamaForCausalLM, _LLAMA),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, _QWEN3),
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, _QWEN3_MOE),
     "deepseek_v2_mid": (DeepseekV2Config, DeepseekV2ForCausalLM, _DEEPSEEK_V2_MID),
 }
 MTP_ARCHS = {"deepseek_v3_mtp": "deepseek_v3"}  # arch keys that are another arch plus an MTP layer

@@ -1,4 +1,4 @@
-"""Llama-family dense models with grouped-query attention (also SmolLM2)."""
+"""Grouped-query attention models: Llama (also SmolLM2), Qwen3 and Qwen3-MoE (per-head q/k norm)."""
 
 from __future__ import annotations
 
@@ -6,11 +6,13 @@ import torch
 from torch import nn
 
 from dpserve.attention.backend import AttentionBackend
-from dpserve.distributed import Topology
+from dpserve.config import EngineConfig
+from dpserve.distributed import Groups, Topology
 from dpserve.kvcache.pool import KVPool
 from dpserve.layers.linear import Linear
-from dpserve.layers.mlp import MLP
+from dpserve.layers.norm import RMSNorm
 from dpserve.layers.rotary import RotaryEmbedding
+from dpserve.models.base import build_mlp
 from dpserve.models.batch import ForwardBatch
 from dpserve.models.config import ModelConfig
 from dpserve.models.loader import Weight
@@ -29,8 +31,9 @@ class GQAAttention(nn.Module):
     ):
         super().__init__()
         hf = cfg.hf
-        if getattr(hf, "attention_bias", False) or getattr(hf, "mlp_bias", False):
-            raise ValueError("Llama checkpoints with attention_bias or mlp_bias are not supported")
+        for flag in ("attention_bias", "mlp_bias", "use_sliding_window"):
+            if getattr(hf, flag, False):
+                raise ValueError(f"{cfg.arch} checkpoints with {flag}=true are not supported")
         a = topo.attn_tp_size
         self.layer_id, self.topo, self.backend = layer_id, topo, backend
         self.head_dim = head_dim(cfg)
@@ -44,6 +47,9 @@ class GQAAttention(nn.Module):
         self.o_proj = Linear(self.heads * d, h)
         self.scale = d**-0.5
         self.rotary = rotary  # one table for the whole model
+        qk_norm = cfg.declaration.qk_norm  # per head, over head_dim, before rotary
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if qk_norm else None
 
     def kv_entry_shapes(self) -> list[tuple[int, ...]]:
         return [(self.kv_heads, self.head_dim), (self.kv_heads, self.head_dim)]
@@ -53,7 +59,10 @@ class GQAAttention(nn.Module):
         if n == 0:
             return x.new_zeros(0, x.shape[1])
         qkv = self.qkv_proj(x).view(n, -1, self.head_dim)
-        qk = self.rotary(qkv[:, : self.heads + self.kv_heads], batch.positions)  # one call for both
+        qk = qkv[:, : self.heads + self.kv_heads]
+        if self.q_norm is not None:
+            qk = torch.cat([self.q_norm(qk[:, : self.heads]), self.k_norm(qk[:, self.heads :])], dim=1)
+        qk = self.rotary(qk, batch.positions)  # one call for both
         q, k = qk.split([self.heads, self.kv_heads], dim=1)
         v = qkv[:, self.heads + self.kv_heads :]
         out = self.attend(q, k, v, batch, pool)
@@ -74,7 +83,16 @@ class GQAAttention(nn.Module):
         )
         r = self.topo.attn_tp_rank
         kv_part = r if self.kv_start is None else self.kv_start
+        norms = (
+            [
+                Weight(f"{prefix}.q_norm.weight", self.q_norm.weight),
+                Weight(f"{prefix}.k_norm.weight", self.k_norm.weight),
+            ]
+            if self.q_norm is not None
+            else []
+        )
         return [
+            *norms,
             Weight(f"{prefix}.q_proj.weight", q, 0, r),
             Weight(f"{prefix}.k_proj.weight", k, 0, kv_part),
             Weight(f"{prefix}.v_proj.weight", v, 0, kv_part),
@@ -82,14 +100,13 @@ class GQAAttention(nn.Module):
         ]
 
 
-def build_llama_layers(
-    cfg: ModelConfig, topo: Topology, backend: AttentionBackend
+def build_gqa_layers(
+    cfg: ModelConfig, groups: Groups, backend: AttentionBackend, options: EngineConfig
 ) -> list[tuple[nn.Module, nn.Module]]:
-    inter = cfg.hf.intermediate_size // topo.tp_size
     rope = dict(cfg.hf.rope_parameters or {})
     rotary = RotaryEmbedding(head_dim(cfg), cfg.context_len, rope, interleaved=False)
     return [
-        (GQAAttention(cfg, topo, i, backend, rotary), MLP(cfg.hidden_size, inter))
+        (GQAAttention(cfg, groups.topo, i, backend, rotary), build_mlp(cfg, groups, options, i))
         for i in range(cfg.num_layers)
     ]
 

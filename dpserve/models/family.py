@@ -1,0 +1,104 @@
+"""The families dpserve serves (docs/design.md, section 13), each a declaration of how its config
+reads and what its layers compute; the decoder stack, DPComm, the MoE layer and expert parallelism
+are shared by all of them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from transformers import PretrainedConfig
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """What a family's MoE layers compute and which layers they are."""
+
+    num_experts: int  # routed experts (logical)
+    experts_field: str  # the config field that says so, for messages
+    top_k: int
+    intermediate_size: int  # one routed expert's
+    shared_intermediate_size: int  # all shared experts together; 0: none
+    scoring: str  # softmax | sigmoid, over all experts
+    topk_method: str  # greedy | group_limited_greedy | noaux_tc (sigmoid + correction bias)
+    num_groups: int = 1
+    topk_groups: int = 1
+    norm_topk_prob: bool = False  # the top-k weights renormalised to sum to 1
+    scaling: float = 1.0  # routed_scaling_factor
+    first_dense: int = 0  # layers before it are dense (DeepSeek's first_k_dense_replace)
+    dense_layers: frozenset[int] = frozenset()  # dense anyway (Qwen's mlp_only_layers)
+    sparse_step: int = 1  # every sparse_step-th layer is MoE (Qwen's decoder_sparse_step)
+
+    def is_moe_layer(self, index: int) -> bool:
+        return (
+            index >= self.first_dense
+            and index not in self.dense_layers
+            and (index + 1) % self.sparse_step == 0
+        )
+
+    @property
+    def correction_bias(self) -> bool:
+        return self.topk_method == "noaux_tc"
+
+
+@dataclass(frozen=True)
+class Family:
+    """One `model_type`: the architectures it names, its attention, its MoE (None: dense)."""
+
+    archs: tuple[str, ...]
+    attention: str  # mla | gqa
+    moe: Callable[[PretrainedConfig], MoESpec | None] = lambda hf: None
+    qk_norm: bool = False  # per-head RMSNorm on q and k before rotary
+    config_as: str = ""  # read as this model_type (its own config code is never run)
+
+
+def deepseek_moe(hf: PretrainedConfig) -> MoESpec | None:
+    if not getattr(hf, "n_routed_experts", None):
+        return None
+    v3 = hf.model_type == "deepseek_v3"  # V3 routes by sigmoid with a correction bias unless told
+    top_k = hf.num_experts_per_tok
+    return MoESpec(
+        num_experts=hf.n_routed_experts,
+        experts_field="n_routed_experts",
+        top_k=top_k,
+        intermediate_size=hf.moe_intermediate_size,
+        shared_intermediate_size=hf.moe_intermediate_size * (hf.n_shared_experts or 0),
+        scoring=getattr(hf, "scoring_func", None) or ("sigmoid" if v3 else "softmax"),
+        topk_method=getattr(hf, "topk_method", None) or ("noaux_tc" if v3 else "greedy"),
+        num_groups=hf.n_group or 1,
+        topk_groups=hf.topk_group or 1,
+        # DeepSeek-V2 renormalises only when it keeps more than one expert.
+        norm_topk_prob=bool(hf.norm_topk_prob) and (v3 or top_k > 1),
+        scaling=hf.routed_scaling_factor,
+        first_dense=hf.first_k_dense_replace,
+    )
+
+
+def qwen3_moe(hf: PretrainedConfig) -> MoESpec | None:
+    if not hf.num_experts:
+        return None
+    return MoESpec(
+        num_experts=hf.num_experts,
+        experts_field="num_experts",
+        top_k=hf.num_experts_per_tok,
+        intermediate_size=hf.moe_intermediate_size,
+        shared_intermediate_size=0,
+        scoring="softmax",
+        topk_method="greedy",
+        norm_topk_prob=bool(hf.norm_topk_prob),
+        dense_layers=frozenset(hf.mlp_only_layers or ()),
+        sparse_step=hf.decoder_sparse_step or 1,
+    )
+
+
+FAMILIES: dict[str, Family] = {
+    "deepseek_v2": Family(("DeepseekV2ForCausalLM",), "mla", deepseek_moe),
+    "deepseek_v3": Family(("DeepseekV3ForCausalLM",), "mla", deepseek_moe),
+    # Kimi-K2: DeepSeek-V3's architecture under its own config, which transformers reads only by
+    # running the checkpoint's code: read here as DeepSeek-V3's.
+    "kimi_k2": Family(("DeepseekV3ForCausalLM",), "mla", deepseek_moe, config_as="deepseek_v3"),
+    "llama": Family(("LlamaForCausalLM",), "gqa"),
+    "qwen3": Family(("Qwen3ForCausalLM",), "gqa", qk_norm=True),
+    "qwen3_moe": Family(("Qwen3MoeForCausalLM",), "gqa", qwen3_moe, qk_norm=True),
+}
+SERVED = "dpserve serves " + "; ".join(f"{'/'.join(f.archs)} (model_type {t})" for t, f in FAMILIES.items())
