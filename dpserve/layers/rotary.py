@@ -59,7 +59,8 @@ class RotaryEmbedding(nn.Module):
     """Applies RoPE to [tokens, heads, dim] tensors (queries and keys in one call where they can).
 
     interleaved=True rotates adjacent pairs (x0, x1), (x2, x3)... as DeepSeek checkpoints do;
-    False rotates the two halves (x[:d/2], x[d/2:]) as Llama does.
+    False rotates the two halves (x[:d/2], x[d/2:]) as Llama does. A head wider than `dim` has only
+    its first `dim` values rotated (partial rotary), the rest passed through.
     """
 
     def __init__(self, dim: int, max_positions: int, rope: dict, interleaved: bool):
@@ -73,6 +74,12 @@ class RotaryEmbedding(nn.Module):
         self.interleaved = interleaved
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        dim = self.cos_sin.shape[-1]
+        if x.shape[-1] > dim:
+            return torch.cat([self._rotate(x[..., :dim], positions), x[..., dim:]], dim=-1)
+        return self._rotate(x, positions)
+
+    def _rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if x.dtype == self.cos_sin.dtype and x.stride(-1) == 1 and cpu_ops.usable(x):
             return torch.ops.dpserve_cpu.rotary(x, self.cos_sin, positions, self.interleaved)
         return rotate(x, self.cos_sin, positions, self.interleaved)

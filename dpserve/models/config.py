@@ -133,11 +133,11 @@ class ModelConfig:
 
     def check_mtp(self) -> None:
         """Raises ValueError unless the checkpoint carries an MTP layer that NEXTN can draft with."""
-        if not self.is_mla or self.num_mtp_layers < 1:
+        if self.num_mtp_layers < 1:
             raise ValueError(
-                f"speculative_algorithm NEXTN drafts with DeepSeek's MTP layer, but {self.path} ({self.arch}) "
-                f"has num_nextn_predict_layers={self.num_mtp_layers}; use a DeepSeek-V3/R1 checkpoint with "
-                "its MTP weights, or speculative_algorithm NGRAM"
+                f"speculative_algorithm NEXTN drafts with the checkpoint's MTP layer, but {self.path} ({self.arch}) "
+                f"has num_nextn_predict_layers={self.num_mtp_layers}; use a checkpoint with its MTP weights "
+                "(DeepSeek-V3/R1, GLM-4.5), or speculative_algorithm NGRAM"
             )
         name = f"model.layers.{self.num_layers}.eh_proj.weight"
         if name not in CheckpointReader(self.path).file_of:

@@ -48,27 +48,42 @@ class Family:
     archs: tuple[str, ...]
     attention: str  # mla | gqa
     moe: Callable[[PretrainedConfig], MoESpec | None] = lambda hf: None
-    qk_norm: bool = False  # per-head RMSNorm on q and k before rotary
+    qk_norm: Callable[[PretrainedConfig], bool] = lambda hf: (
+        False
+    )  # per-head RMSNorm on q and k before rotary
+    qkv_bias: bool = False  # attention_bias=true means biases on q, k and v (not o); else it is refused
     config_as: str = ""  # read as this model_type (its own config code is never run)
 
 
 def deepseek_moe(hf: PretrainedConfig) -> MoESpec | None:
+    v3 = hf.model_type == "deepseek_v3"  # V3 routes by sigmoid with a correction bias unless told
+    scoring = getattr(hf, "scoring_func", None) or ("sigmoid" if v3 else "softmax")
+    method = getattr(hf, "topk_method", None) or ("noaux_tc" if v3 else "greedy")
+    # DeepSeek-V2 renormalises only when it keeps more than one expert.
+    return _routed_and_shared(hf, scoring, method, v3 or hf.num_experts_per_tok > 1)
+
+
+def glm4_moe(hf: PretrainedConfig) -> MoESpec | None:
+    return _routed_and_shared(hf, "sigmoid", "noaux_tc", True)
+
+
+def _routed_and_shared(
+    hf: PretrainedConfig, scoring: str, method: str, may_renormalise: bool
+) -> MoESpec | None:
+    """DeepSeek's MoE config fields, which GLM-4.5 shares."""
     if not getattr(hf, "n_routed_experts", None):
         return None
-    v3 = hf.model_type == "deepseek_v3"  # V3 routes by sigmoid with a correction bias unless told
-    top_k = hf.num_experts_per_tok
     return MoESpec(
         num_experts=hf.n_routed_experts,
         experts_field="n_routed_experts",
-        top_k=top_k,
+        top_k=hf.num_experts_per_tok,
         intermediate_size=hf.moe_intermediate_size,
         shared_intermediate_size=hf.moe_intermediate_size * (hf.n_shared_experts or 0),
-        scoring=getattr(hf, "scoring_func", None) or ("sigmoid" if v3 else "softmax"),
-        topk_method=getattr(hf, "topk_method", None) or ("noaux_tc" if v3 else "greedy"),
+        scoring=scoring,
+        topk_method=method,
         num_groups=hf.n_group or 1,
         topk_groups=hf.topk_group or 1,
-        # DeepSeek-V2 renormalises only when it keeps more than one expert.
-        norm_topk_prob=bool(hf.norm_topk_prob) and (v3 or top_k > 1),
+        norm_topk_prob=bool(hf.norm_topk_prob) and may_renormalise,
         scaling=hf.routed_scaling_factor,
         first_dense=hf.first_k_dense_replace,
     )
@@ -98,7 +113,10 @@ FAMILIES: dict[str, Family] = {
     # running the checkpoint's code: read here as DeepSeek-V3's.
     "kimi_k2": Family(("DeepseekV3ForCausalLM",), "mla", deepseek_moe, config_as="deepseek_v3"),
     "llama": Family(("LlamaForCausalLM",), "gqa"),
-    "qwen3": Family(("Qwen3ForCausalLM",), "gqa", qk_norm=True),
-    "qwen3_moe": Family(("Qwen3MoeForCausalLM",), "gqa", qwen3_moe, qk_norm=True),
+    "qwen3": Family(("Qwen3ForCausalLM",), "gqa", qk_norm=lambda hf: True),
+    "qwen3_moe": Family(("Qwen3MoeForCausalLM",), "gqa", qwen3_moe, qk_norm=lambda hf: True),
+    "glm4_moe": Family(
+        ("Glm4MoeForCausalLM",), "gqa", glm4_moe, qk_norm=lambda hf: bool(hf.use_qk_norm), qkv_bias=True
+    ),
 }
 SERVED = "dpserve serves " + "; ".join(f"{'/'.join(f.archs)} (model_type {t})" for t, f in FAMILIES.items())

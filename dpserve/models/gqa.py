@@ -31,9 +31,12 @@ class GQAAttention(nn.Module):
     ):
         super().__init__()
         hf = cfg.hf
-        for flag in ("attention_bias", "mlp_bias", "use_sliding_window"):
+        family = cfg.declaration
+        refused = ("mlp_bias", "use_sliding_window") + (() if family.qkv_bias else ("attention_bias",))
+        for flag in refused:
             if getattr(hf, flag, False):
                 raise ValueError(f"{cfg.arch} checkpoints with {flag}=true are not supported")
+        bias = bool(getattr(hf, "attention_bias", False))  # q, k and v (refused above where it is o too)
         a = topo.attn_tp_size
         self.layer_id, self.topo, self.backend = layer_id, topo, backend
         self.head_dim = head_dim(cfg)
@@ -43,11 +46,11 @@ class GQAAttention(nn.Module):
         self.kv_start = topo.attn_tp_rank * cfg.num_kv_heads // a if a > cfg.num_kv_heads else None
         self.num_kv_heads = cfg.num_kv_heads
         h, d = cfg.hidden_size, self.head_dim
-        self.qkv_proj = Linear(h, (self.heads + 2 * self.kv_heads) * d)
+        self.qkv_proj = Linear(h, (self.heads + 2 * self.kv_heads) * d, bias=bias)
         self.o_proj = Linear(self.heads * d, h)
         self.scale = d**-0.5
         self.rotary = rotary  # one table for the whole model
-        qk_norm = cfg.declaration.qk_norm  # per head, over head_dim, before rotary
+        qk_norm = family.qk_norm(hf)  # per head, over head_dim, before rotary
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if qk_norm else None
 
@@ -78,36 +81,40 @@ class GQAAttention(nn.Module):
 
     def weights(self, prefix: str) -> list[Weight]:
         """q heads split over ATTN_TP; k/v heads too, or the one KV head this rank's queries use."""
-        q, k, v = self.qkv_proj.weight.split(
-            [self.heads * self.head_dim, *[self.kv_heads * self.head_dim] * 2]
-        )
         r = self.topo.attn_tp_rank
         kv_part = r if self.kv_start is None else self.kv_start
-        norms = (
-            [
+        sizes = [self.heads * self.head_dim, *[self.kv_heads * self.head_dim] * 2]
+        out = []
+        for kind in ("weight", "bias") if self.qkv_proj.bias is not None else ("weight",):
+            q, k, v = getattr(self.qkv_proj, kind).split(sizes)
+            out += [
+                Weight(f"{prefix}.q_proj.{kind}", q, 0, r),
+                Weight(f"{prefix}.k_proj.{kind}", k, 0, kv_part),
+                Weight(f"{prefix}.v_proj.{kind}", v, 0, kv_part),
+            ]
+        if self.q_norm is not None:
+            out += [
                 Weight(f"{prefix}.q_norm.weight", self.q_norm.weight),
                 Weight(f"{prefix}.k_norm.weight", self.k_norm.weight),
             ]
-            if self.q_norm is not None
-            else []
-        )
-        return [
-            *norms,
-            Weight(f"{prefix}.q_proj.weight", q, 0, r),
-            Weight(f"{prefix}.k_proj.weight", k, 0, kv_part),
-            Weight(f"{prefix}.v_proj.weight", v, 0, kv_part),
-            Weight(f"{prefix}.o_proj.weight", self.o_proj.weight, 1, r),
-        ]
+        return [*out, Weight(f"{prefix}.o_proj.weight", self.o_proj.weight, 1, r)]
 
 
 def build_gqa_layers(
     cfg: ModelConfig, groups: Groups, backend: AttentionBackend, options: EngineConfig
 ) -> list[tuple[nn.Module, nn.Module]]:
+    """The decoder layers' (attention, MLP) pairs; with NEXTN the MTP layer's pair last (model layer
+    `num_layers`, whose KV lives in a pool of its own: KV layer 0)."""
     rope = dict(cfg.hf.rope_parameters or {})
-    rotary = RotaryEmbedding(head_dim(cfg), cfg.context_len, rope, interleaved=False)
+    d = head_dim(cfg)
+    # GLM-4.5 rotates only the first part of each head (partial_rotary_factor 0.5).
+    factor = rope.get("partial_rotary_factor") or getattr(cfg.hf, "partial_rotary_factor", None) or 1.0
+    rotary = RotaryEmbedding(int(d * factor), cfg.context_len, rope, interleaved=False)
+    mtp = options.speculative_algorithm == "NEXTN"
+    kv_layers = [*range(cfg.num_layers), *([0] if mtp else [])]
     return [
-        (GQAAttention(cfg, groups.topo, i, backend, rotary), build_mlp(cfg, groups, options, i))
-        for i in range(cfg.num_layers)
+        (GQAAttention(cfg, groups.topo, kv, backend, rotary), build_mlp(cfg, groups, options, i))
+        for i, kv in enumerate(kv_layers)
     ]
 
 

@@ -1,8 +1,9 @@
-"""DeepSeek's multi-token prediction (MTP, NextN) layer: the draft model of NEXTN speculation.
+"""DeepSeek's multi-token prediction (MTP, NextN) layer, which GLM-4.5 shares: the draft model of
+NEXTN speculation.
 
 Row p pairs the main model's hidden state at position p (after its final norm) with the token at
 p + 1 and predicts the token at p + 2: `eh_proj(cat(enorm(embed(x_{p+1})), hnorm(h_p)))`, one
-decoder layer (MLA + MoE under DP attention, like every layer), then `shared_head.norm` and the
+decoder layer (the family's attention + MoE under DP attention, like every layer), then `shared_head.norm` and the
 main model's LM head. Chained steps feed the previous step's normed output as the hidden state.
 """
 

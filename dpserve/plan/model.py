@@ -19,6 +19,8 @@ BUNDLED = (
     "kimi-k2",
     "qwen3-30b-a3b",
     "qwen3-235b-a22b",
+    "glm-4.5",
+    "glm-4.5-air",
     "smollm2-135m",
 )
 

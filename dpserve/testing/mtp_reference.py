@@ -1,4 +1,5 @@
-"""A pure-torch reference of DeepSeek's MTP (NextN) draft step, built from transformers' modules.
+"""A pure-torch reference of DeepSeek's MTP (NextN) draft step (GLM-4.5's is the same module around
+GLM's decoder layer), built from transformers' modules.
 
 Conventions (what an engine's NEXTN implementation must match):
 
@@ -56,7 +57,7 @@ def load_mtp_layer(model_dir: str | Path, model: PreTrainedModel) -> MtpLayer:
     if not getattr(config, "num_nextn_predict_layers", 0):
         raise ValueError(f"{model_dir} has no MTP layer (num_nextn_predict_layers is 0 or missing)")
     tensors = read_mtp_tensors(model_dir, config.num_hidden_layers)
-    mtp = MtpLayer(config).to(torch.float32)
+    mtp = MtpLayer(config, type(model.model.layers[-1]), type(model.model.norm)).to(torch.float32)
     state = {}
     experts = config.n_routed_experts
     for name in mtp.state_dict():

@@ -30,6 +30,8 @@ from transformers import (
     DeepseekV3Config,
     DeepseekV3ForCausalLM,
     GenerationConfig,
+    Glm4MoeConfig,
+    Glm4MoeForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     PretrainedConfig,
@@ -189,6 +191,23 @@ _QWEN3_MOE = _QWEN3 | dict(
     mlp_only_layers=[1],
     decoder_sparse_step=1,
 )
+# GLM-4.5: GQA with q/k/v biases, per-head q/k norm, rotary on the first half of each head; DeepSeek-V3's
+# routing (sigmoid, correction bias, groups) with a shared expert and a dense first layer.
+_GLM4_MOE = _QWEN3 | dict(
+    attention_bias=True,
+    use_qk_norm=True,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    moe_intermediate_size=32,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    n_group=4,
+    topk_group=2,
+    norm_topk_prob=True,
+    routed_scaling_factor=2.5,
+    num_mtp_layers=0,  # no MTP weights are written unless asked
+)
 # Kimi-K2: DeepSeek-V3's architecture, one expert group (no group limit), its own scaling factor;
 # written as DeepSeek-V3 weights under Kimi's config.json (model_type kimi_k2, code in auto_map).
 _KIMI_K2 = _DEEPSEEK_V3 | dict(n_group=1, topk_group=1, routed_scaling_factor=2.827, n_routed_experts=16)
@@ -204,9 +223,13 @@ _SPECS: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel], dict[str,
     "llama": (LlamaConfig, LlamaForCausalLM, _LLAMA),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, _QWEN3),
     "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, _QWEN3_MOE),
+    "glm4_moe": (Glm4MoeConfig, Glm4MoeForCausalLM, _GLM4_MOE),
     "deepseek_v2_mid": (DeepseekV2Config, DeepseekV2ForCausalLM, _DEEPSEEK_V2_MID),
 }
-MTP_ARCHS = {"deepseek_v3_mtp": "deepseek_v3"}  # arch keys that are another arch plus an MTP layer
+MTP_ARCHS = {
+    "deepseek_v3_mtp": "deepseek_v3",
+    "glm4_moe_mtp": "glm4_moe",
+}  # arch keys that are another arch plus an MTP layer
 ARCHS: tuple[str, ...] = (*_SPECS, *MTP_ARCHS)
 
 
@@ -216,15 +239,15 @@ def write_tiny_model(
     """Write a tiny random float32 checkpoint (config, safetensors, tokenizer) and return its directory.
 
     ``shard_size`` is passed to ``save_pretrained`` as ``max_shard_size`` (e.g. ``"20KB"``) to get a
-    sharded checkpoint with ``model.safetensors.index.json``. ``mtp=True`` (DeepSeek-V3 only; implied by
-    the arch key ``deepseek_v3_mtp``) adds one randomly initialized MTP layer, see :func:`add_mtp_layer`.
+    sharded checkpoint with ``model.safetensors.index.json``. ``mtp=True`` (DeepSeek-V3 and GLM-4.5;
+    implied by the arch keys of MTP_ARCHS) adds one randomly initialized MTP layer, see :func:`add_mtp_layer`.
     """
     if arch in MTP_ARCHS:
         arch, mtp = MTP_ARCHS[arch], True
     if arch not in _SPECS:
         raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
-    if mtp and arch != "deepseek_v3":
-        raise ValueError(f"MTP layers are written for deepseek_v3 only, not {arch!r}")
+    if mtp and arch not in MTP_ARCHS.values():
+        raise ValueError(f"MTP layers are written for {', '.join(MTP_ARCHS.values())} only, not {arch!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     build_tokenizer(out)
@@ -292,7 +315,9 @@ def _randomize_norms_and_biases(state: dict[str, torch.Tensor], generator: torch
     for name, tensor in state.items():  # detached views of the parameters and buffers
         if name.endswith("norm.weight"):
             tensor.copy_(1.0 + NORM_WEIGHT_STD * torch.randn(tensor.shape, generator=generator))
-        elif name.endswith("e_score_correction_bias"):  # non-zero so noaux_tc's bias term matters
+        elif name.endswith("e_score_correction_bias") or name.endswith(
+            "proj.bias"
+        ):  # non-zero: loading matters
             tensor.copy_(0.1 * torch.randn(tensor.shape, generator=generator))
 
 
@@ -304,21 +329,24 @@ class MtpLayer(torch.nn.Module):
     layer norms), ``shared_head.norm`` [hidden]; ``embed_tokens`` and ``shared_head.head`` are copies of the
     main model's embedding and LM head, as in DeepSeek's checkpoints. Layer index ``N`` is
     ``num_hidden_layers``, which is >= ``first_k_dense_replace``, so the MLP is MoE like the main model's.
+    GLM-4.5's checkpoints carry the same module under the same names, with GLM's decoder layer: pass the
+    family's decoder layer and norm classes.
     """
 
-    def __init__(self, config: DeepseekV3Config):
+    def __init__(self, config: PretrainedConfig, layer_cls: type | None = None, norm_cls: type | None = None):
         super().__init__()
         from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
             DeepseekV3DecoderLayer,
             DeepseekV3RMSNorm,
         )
 
+        layer_cls, norm_cls = layer_cls or DeepseekV3DecoderLayer, norm_cls or DeepseekV3RMSNorm
         hidden, eps = config.hidden_size, config.rms_norm_eps
-        self.enorm = DeepseekV3RMSNorm(hidden, eps=eps)
-        self.hnorm = DeepseekV3RMSNorm(hidden, eps=eps)
+        self.enorm = norm_cls(hidden, eps=eps)
+        self.hnorm = norm_cls(hidden, eps=eps)
         self.eh_proj = torch.nn.Linear(2 * hidden, hidden, bias=False)
-        self.layer = DeepseekV3DecoderLayer(config, layer_idx=config.num_hidden_layers)
-        self.shared_head_norm = DeepseekV3RMSNorm(hidden, eps=eps)
+        self.layer = layer_cls(config, layer_idx=config.num_hidden_layers)
+        self.shared_head_norm = norm_cls(hidden, eps=eps)
 
     def checkpoint_state_dict(self, prefix: str) -> dict[str, torch.Tensor]:
         """The module's tensors under DeepSeek's checkpoint names (without the shared embedding/head)."""
@@ -355,7 +383,7 @@ def mtp_layer_state_dict(
     """
     config = model.config
     if mtp is None:
-        mtp = MtpLayer(config).to(torch.float32)
+        mtp = MtpLayer(config, type(model.model.layers[-1]), type(model.model.norm)).to(torch.float32)
         state = mtp.state_dict()
         with torch.no_grad():
             for tensor in state.values():
