@@ -5,7 +5,9 @@ auto_map), which dpserve reads without running the checkpoint's code. Qwen3-MoE:
 that is not hidden / heads, per-head q/k norm, softmax top-k renormalised, no shared experts, a dense
 layer among the MoE ones (mlp_only_layers). GLM-4.5: GQA with q/k/v biases, q/k norm and rotary on
 half of each head, DeepSeek-V3's grouped sigmoid routing with a shared expert, its MTP layer drafting
-for NEXTN."""
+for NEXTN. gpt-oss: biases on q/k/v/o, attention sinks, a sliding window on every other layer that the
+prompts outgrow, YaRN, a biased router with softmax over the top-k logits, experts with biases and the
+clamped SwiGLU stored fused with gate and up interleaved."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from pathlib import Path
 import pytest
 from conftest import FAMILY_ARCHS, GREEDY, KV_BUDGET_GB, assert_matches_reference
 
+from dpserve import Engine
 from dpserve.models.config import ModelConfig
 from dpserve.models.tokenizer import load_tokenizer
 from dpserve.testing.reference import hf_greedy_reference
@@ -68,6 +71,7 @@ CASES = [
     *[("kimi_k2", *layout) for layout in [*LAYOUTS, (4, 4, 4, "none")]],
     *[("qwen3_moe", *layout) for layout in [*LAYOUTS, (4, 4, 4, "all_to_all")]],
     *[("glm4_moe_mtp", *layout) for layout in [*LAYOUTS, (4, 4, 4, "all_to_all")]],
+    *[("gpt_oss", *layout) for layout in [*LAYOUTS, (4, 4, 4, "none")]],
     ("qwen3", 2, 1, 1, "none"),
 ]
 
@@ -103,6 +107,42 @@ def test_glm4_moe_nextn_drafts_with_its_mtp_layer(engine_cache, model_dirs, fami
     outs = engine.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True)
     assert_matches_reference(outs, family_refs["glm4_moe_mtp"])
     assert all(o["meta_info"]["spec_verify_ct"] > 0 for o in outs)  # tokens after the first were verified
+
+
+def test_gpt_oss_reads_its_windows_sinks_and_fused_experts(model_dirs):
+    cfg = ModelConfig.load(model_dirs["gpt_oss"])
+    moe = cfg.moe
+    assert (moe.scoring, moe.activation, moe.checkpoint, moe.router_bias, moe.expert_bias) == (
+        "topk_softmax",
+        "swiglu_clamped",
+        "fused",
+        True,
+        True,
+    )
+    assert (cfg.hf.sliding_window, cfg.hf.layer_types[:2]) == (8, ["sliding_attention", "full_attention"])
+    assert cfg.declaration.sinks and cfg.declaration.attention_bias == "qkvo"
+
+
+def test_gpt_oss_on_the_reference_backend(engine_cache, model_dirs, family_refs, prompts):
+    """SDPA's path for windows (a mask) and sinks (its own softmax), decode rows included."""
+    engine = engine_cache.get(
+        model_dirs["gpt_oss"],
+        tp_size=2,
+        dp_size=2,
+        enable_dp_attention=True,
+        attention_backend="sdpa",
+        kv_cache_memory_gb=KV_BUDGET_GB,
+    )
+    outs = engine.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True)
+    assert_matches_reference(outs, family_refs["gpt_oss"])
+
+
+def test_triton_kernels_refuse_windows_and_sinks(model_dirs):
+    """The Triton attention kernels have neither (yet): the engine says so before it serves."""
+    with pytest.raises(
+        ValueError, match="sliding-window attention or attention sinks, which the Triton attention kernels"
+    ):
+        Engine(model_path=model_dirs["gpt_oss"], device="cpu", dtype="float32", attention_backend="triton")
 
 
 @pytest.mark.parametrize(

@@ -3,13 +3,16 @@ per-expert loop the CPU runs (`dpserve.layers.mlp.experts_loop`)."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dpserve import memory
 from dpserve.layers.fused_moe import fused_experts, moe_align_block_size
-from dpserve.layers.mlp import MoE
+from dpserve.layers.mlp import MoE, swiglu_clamped
 from dpserve.layers.mlp import experts_loop as loop_reference
 from dpserve.layers.norm import RMSNorm
 from dpserve.models.family import MoESpec
@@ -52,6 +55,23 @@ def test_fused_experts_equals_loop(case):
     got = fused_experts(x, w13, w2, weights, ids)
     assert got.shape == x.shape and torch.isfinite(got).all()
     torch.testing.assert_close(got, loop_reference(x, w13, w2, weights, ids), **TOL)
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[2]], ids=str)
+def test_fused_experts_with_biases_and_clamped_swiglu(case):
+    """gpt-oss's experts: biases on both products and the clamped SwiGLU (its gate and up large
+    enough that the clamp at 7 acts), the same as the CPU loop."""
+    x, w13, w2, weights, ids = make_case(*case)
+    g = torch.Generator().manual_seed(3)
+    b13 = torch.randn(w13.shape[0], w13.shape[1], generator=g)
+    b2 = torch.randn(w2.shape[0], w2.shape[1], generator=g)
+    x = 8 * x
+    clamp = (1.702, 7.0)
+    act = functools.partial(swiglu_clamped, alpha=clamp[0], limit=clamp[1])
+    assert (x @ w13[0].t() + b13[0]).abs().max() > clamp[1]  # the clamp is reached
+    got = fused_experts(x, w13, w2, weights, ids, b13=b13, b2=b2, clamp=clamp)
+    ref = loop_reference(x, w13, w2, weights, ids, F.linear, act, b13, b2)
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-5)
 
 
 def test_triton_block_sizes():

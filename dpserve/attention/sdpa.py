@@ -31,6 +31,7 @@ class SdpaBackend(AttentionBackend):
         meta.state.update(
             slot_table=meta.req_to_token[meta.req_idx, : meta.max_seq_len].long(),
             mask=((k_pos <= q_pos) & (k_pos < meta.seq_lens[:, None, None])).unsqueeze(1),
+            behind=(q_pos - k_pos).unsqueeze(1),  # how far each key is behind each query
             token_req=token_req,
             token_col=torch.arange(token_req.shape[0], device=dev) - meta.q_start[token_req],
         )
@@ -39,24 +40,46 @@ class SdpaBackend(AttentionBackend):
         kv = gather(cache, meta.state["slot_table"]).unsqueeze(1)  # [batch, 1, kv_max, latent + rope]
         return self._attend(q, kv, kv[..., :v_dim], meta, scale)
 
-    def gqa(self, q, k_cache, v_cache, meta, scale):
+    def gqa(self, q, k_cache, v_cache, meta, scale, window=0, sinks=None):
         table = meta.state["slot_table"]
         k = gather(k_cache, table).transpose(1, 2)  # [batch, kv_heads, kv_max, dim]
-        return self._attend(q, k, gather(v_cache, table).transpose(1, 2), meta, scale)
+        return self._attend(q, k, gather(v_cache, table).transpose(1, 2), meta, scale, window, sinks)
 
     @staticmethod
-    def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, scale: float):
+    def _attend(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int = 0,
+        sinks: torch.Tensor | None = None,
+    ):
         """q [tokens, heads, d] packed into [batch, heads, q_max, d]; k/v [batch, kv_heads, kv_max, d]:
-        kv_heads divides heads (grouped-query, or MLA's one latent), never expanded in memory."""
+        kv_heads divides heads (grouped-query, or MLA's one latent), never expanded in memory (but
+        with sinks, which SDPA does not take)."""
         s = meta.state
         packed = q.new_zeros((meta.batch_size, meta.max_q_len, *q.shape[1:]))
         packed[s["token_req"], s["token_col"]] = q
-        out = F.scaled_dot_product_attention(
-            packed.transpose(1, 2),
-            k,
-            v,
-            attn_mask=s["mask"],
-            scale=scale,
-            enable_gqa=k.shape[1] != q.shape[1],
-        )
+        mask = s["mask"] & (s["behind"] < window) if window else s["mask"]
+        if sinks is None:
+            out = F.scaled_dot_product_attention(
+                packed.transpose(1, 2), k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
+            )
+        else:
+            out = attend_with_sinks(packed.transpose(1, 2), k, v, mask, scale, sinks)
         return out.transpose(1, 2)[s["token_req"], s["token_col"]]
+
+
+def attend_with_sinks(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, sinks: torch.Tensor
+) -> torch.Tensor:
+    """Attention whose softmax has one more logit per head, `sinks` [heads], that takes no value:
+    q [batch, heads, q_len, d], k/v [batch, kv_heads, kv_len, d], mask [batch, 1, q_len, kv_len]
+    (True: attend). A row with every key masked gets zeros, never NaN."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale).masked_fill_(~mask, float("-inf"))
+    sink = sinks.float()[None, :, None, None].expand(*scores.shape[:-1], 1)
+    probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+    return torch.matmul(probs.to(v.dtype), v)

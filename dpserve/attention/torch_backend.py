@@ -51,14 +51,16 @@ class TorchBackend(SdpaBackend):
             lambda q_many, sub: super(TorchBackend, self).mla(q_many, cache, sub, scale, v_dim),
         )
 
-    def gqa(self, q, k_cache, v_cache, meta, scale):
+    def gqa(self, q, k_cache, v_cache, meta, scale, window=0, sinks=None):
         v_dim = v_cache.shape[-1]
         return self._split(
             q,
             meta,
             v_dim,
-            lambda q_one, one: one[1].attend(q_one, k_cache, v_cache, v_dim, scale),
-            lambda q_many, sub: super(TorchBackend, self).gqa(q_many, k_cache, v_cache, sub, scale),
+            lambda q_one, one: one[1].attend(q_one, k_cache, v_cache, v_dim, scale, window, sinks),
+            lambda q_many, sub: super(TorchBackend, self).gqa(
+                q_many, k_cache, v_cache, sub, scale, window, sinks
+            ),
         )
 
     @staticmethod
@@ -103,12 +105,22 @@ class _Keys:
         return self._rows[kv_heads]
 
     def attend(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None, v_dim: int, scale: float
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor | None,
+        v_dim: int,
+        scale: float,
+        window: int = 0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Each row's one query q [n, heads, d] against its keys in caches [slots, kv_heads, d];
         values from `v_cache`, or (MLA) the keys' first `v_dim` columns. Grouped-query attention
-        runs the fused CPU kernel where it is built (no gathered copy of the keys); MLA's many heads
-        on one latent are a matrix product, faster on oneDNN's kernels from batch 16 on (measured)."""
+        runs the fused CPU kernel where it is built (no gathered copy of the keys; not for sliding
+        windows or sinks); MLA's many heads on one latent are a matrix product, faster on oneDNN's
+        kernels from batch 16 on (measured)."""
+        if window or sinks is not None:
+            return self.matmuls(q, k_cache, v_cache, v_dim, scale, window, sinks)
         if v_cache is not None and cpu_ops.usable(q):
             m = self.meta
             return torch.ops.dpserve_cpu.decode_attention(
@@ -117,7 +129,14 @@ class _Keys:
         return self.matmuls(q, k_cache, v_cache, v_dim, scale)
 
     def matmuls(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None, v_dim: int, scale: float
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor | None,
+        v_dim: int,
+        scale: float,
+        window: int = 0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`attend` in two batched matmuls over (row, KV head) pairs."""
         n, heads, d = q.shape
@@ -127,7 +146,17 @@ class _Keys:
         k = k_cache.reshape(-1, d).index_select(0, rows).view(pairs, -1, d)
         scores = torch.bmm(q.reshape(pairs, heads // kv_heads, d), k.transpose(1, 2)).view(n, heads, -1)
         scores = scores.float().mul_(scale).masked_fill_(self.padding[:, None, :], float("-inf"))
-        probs = scores.softmax(-1).to(q.dtype).view(pairs, heads // kv_heads, -1)
+        if window:  # the query sits at seq_len - 1: keys before seq_len - window are out of sight
+            cols = torch.arange(scores.shape[-1], device=scores.device)
+            scores.masked_fill_(
+                (cols[None, :] < self.meta.seq_lens[:, None] - window)[:, None, :], float("-inf")
+            )
+        if sinks is not None:
+            sink = sinks.float()[None, :, None].expand(n, -1, 1)
+            probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+        else:
+            probs = scores.softmax(-1)
+        probs = probs.to(q.dtype).reshape(pairs, heads // kv_heads, -1)
         if v_cache is None:  # all the latent's columns: faster than a matmul on a strided slice
             return torch.bmm(probs, k)[..., :v_dim].reshape(n, heads, v_dim)
         v = v_cache.reshape(-1, v_dim).index_select(0, rows).view(pairs, -1, v_dim)

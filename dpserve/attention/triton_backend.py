@@ -21,7 +21,8 @@ class TritonBackend(AttentionBackend):
     def mla(self, q, cache, meta, scale, v_dim):
         return self._attend(q, cache[:, None, :], cache[:, None, :v_dim], meta, scale)
 
-    def gqa(self, q, k_cache, v_cache, meta, scale):
+    def gqa(self, q, k_cache, v_cache, meta, scale, window=0, sinks=None):
+        assert not window and sinks is None, "refused at start-up (ModelConfig.validate)"
         return self._attend(q, k_cache, v_cache, meta, scale)
 
     def _attend(

@@ -62,6 +62,7 @@ def moe_align_block_size(
 def _gate_up_kernel(
     X,
     W13,
+    B13,
     Inter,
     SortedIds,
     ExpertIds,
@@ -72,8 +73,13 @@ def _gate_up_kernel(
     stride_xm,
     stride_we,
     stride_wn,
+    stride_be,
     stride_im,
+    alpha,
+    limit,
     TOP_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    CLAMPED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -109,7 +115,16 @@ def _gate_up_kernel(
                 wu = wu.to(tl.float32)
             acc_g += tl.dot(a, wg, input_precision=PRECISION)
             acc_u += tl.dot(a, wu, input_precision=PRECISION)
-        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        if HAS_BIAS:
+            b_ptr = B13 + e * stride_be + offs_n
+            acc_g += tl.load(b_ptr, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+            acc_u += tl.load(b_ptr + inter, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        if CLAMPED:  # gpt-oss: (clamp(up) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)
+            g = tl.minimum(acc_g, limit)
+            u = tl.minimum(tl.maximum(acc_u, -limit), limit)
+            h = (u + 1.0) * g / (1.0 + tl.exp(-alpha * g))
+        else:
+            h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
         out_ptr = Inter + ids[:, None] * stride_im + offs_n[None, :]
         tl.store(out_ptr, h.to(Inter.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
@@ -118,6 +133,7 @@ def _gate_up_kernel(
 def _down_kernel(
     Inter,
     W2,
+    B2,
     Out,
     Weights,
     SortedIds,
@@ -129,7 +145,9 @@ def _down_kernel(
     stride_im,
     stride_we,
     stride_wn,
+    stride_be,
     stride_om,
+    HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -159,6 +177,8 @@ def _down_kernel(
                 a = a.to(tl.float32)
                 w = w.to(tl.float32)
             acc += tl.dot(a, w, input_precision=PRECISION)
+        if HAS_BIAS:
+            acc += tl.load(B2 + e * stride_be + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         acc *= tl.load(Weights + ids, mask=mask_m, other=0.0).to(tl.float32)[:, None]
         out_ptr = Out + ids[:, None] * stride_om + offs_n[None, :]
         tl.store(out_ptr, acc.to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
@@ -176,6 +196,9 @@ def fused_experts(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     block_m: int | None = None,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    clamp: tuple[float, float] | None = None,
 ) -> torch.Tensor:
     """The routed experts' weighted sum for each row, doing only the chosen experts' work.
 
@@ -184,7 +207,9 @@ def fused_experts(
     [0, experts) are skipped, e.g. for padded rows). Returns [rows, hidden] in x's dtype:
     sum over k of topk_weights[:, k] * w2[e] @ (SiLU(w13[e, :inter] @ x) * w13[e, inter:] @ x),
     e = topk_ids[:, k]. Every shape depends on rows, top_k and the weights' shapes only (graph
-    capturable); interpreted on CPU-only machines.
+    capturable); interpreted on CPU-only machines. gpt-oss: biases b13 [experts, 2 * inter] and b2
+    [experts, hidden] added to the two products, and `clamp` = (alpha, limit) for its clamped
+    SwiGLU in place of SiLU (`dpserve.layers.mlp.swiglu_clamped`).
     """
     rows, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
@@ -195,11 +220,14 @@ def fused_experts(
         return x.new_zeros(0, hidden)
     block_m = block_m or default_block_m(x, w13, top_k)
     sorted_ids, expert_ids, num_padded = moe_align_block_size(topk_ids, num_experts, block_m)
-    out = _triton_experts(x, w13, w2, topk_weights, sorted_ids, expert_ids, num_padded, top_k, block_m)
+    routing = (topk_weights, sorted_ids, expert_ids, num_padded, top_k, block_m)
+    out = _triton_experts(x, w13, w2, b13, b2, clamp, *routing)
     return out.view(rows, top_k, hidden).sum(1)
 
 
-def _triton_experts(x, w13, w2, topk_weights, sorted_ids, expert_ids, num_padded, top_k, block_m):
+def _triton_experts(
+    x, w13, w2, b13, b2, clamp, topk_weights, sorted_ids, expert_ids, num_padded, top_k, block_m
+):
     rows, hidden = x.shape
     inter = w2.shape[2]
     assert x.stride(1) == 1 and w13.stride(2) == 1 and w2.stride(2) == 1
@@ -210,9 +238,12 @@ def _triton_experts(x, w13, w2, topk_weights, sorted_ids, expert_ids, num_padded
     upcast = INTERPRET and x.dtype == torch.bfloat16  # the interpreter's bfloat16 dot is wrong
     block_n, block_k = 64, 64
     h = x.new_empty((n, inter))
+    has_bias = b13 is not None
+    alpha, limit = clamp or (1.0, 0.0)
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, block_n))](
         x,
         w13,
+        b13 if has_bias else x,
         h,
         sorted_ids,
         expert_ids,
@@ -223,8 +254,13 @@ def _triton_experts(x, w13, w2, topk_weights, sorted_ids, expert_ids, num_padded
         x.stride(0),
         w13.stride(0),
         w13.stride(1),
+        b13.stride(0) if has_bias else 0,
         h.stride(0),
+        alpha,
+        limit,
         TOP_K=top_k,
+        HAS_BIAS=has_bias,
+        CLAMPED=clamp is not None,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
@@ -236,6 +272,7 @@ def _triton_experts(x, w13, w2, topk_weights, sorted_ids, expert_ids, num_padded
     _down_kernel[(num_blocks, triton.cdiv(hidden, block_n))](
         h,
         w2,
+        b2 if has_bias else x,
         out,
         topk_weights.reshape(-1),
         sorted_ids,
@@ -247,7 +284,9 @@ def _triton_experts(x, w13, w2, topk_weights, sorted_ids, expert_ids, num_padded
         h.stride(0),
         w2.stride(0),
         w2.stride(1),
+        b2.stride(0) if has_bias else 0,
         out.stride(0),
+        HAS_BIAS=has_bias,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,

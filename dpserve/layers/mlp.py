@@ -4,6 +4,7 @@ all_to_all dispatch) return each rank's own rows finished."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -52,6 +53,9 @@ def select_experts(
     router_logits: torch.Tensor, spec: MoESpec, correction_bias: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The routing `spec` declares: returns (weights, expert ids), both [rows, top_k]."""
+    if spec.scoring == "topk_softmax":  # gpt-oss: the k best logits, softmax over those k
+        values, ids = router_logits.topk(spec.top_k, dim=-1)
+        return values.softmax(-1) * spec.scaling, ids
     scores = router_logits.softmax(-1) if spec.scoring == "softmax" else router_logits.sigmoid()
     choice = scores if correction_bias is None else scores + correction_bias
     method = spec.topk_method
@@ -101,8 +105,27 @@ class MoE(nn.Module):
             else None
         )
         n = self.num_experts
+        self.router_bias = (
+            nn.Parameter(torch.zeros(e, dtype=torch.float32), requires_grad=False)
+            if spec.router_bias
+            else None
+        )
         self.w13 = nn.Parameter(torch.empty(n, 2 * intermediate_local, h), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(n, h, intermediate_local), requires_grad=False)
+        # Expert biases (gpt-oss). Split over WORLD, each rank holds its part of b13 and only rank 0
+        # the down projection's bias (zeros elsewhere), so the summed partials add it once.
+        self.b13, self.b2 = (
+            (
+                nn.Parameter(torch.zeros(n, 2 * intermediate_local), requires_grad=False),
+                nn.Parameter(torch.zeros(n, h), requires_grad=False),
+            )
+            if spec.expert_bias
+            else (None, None)
+        )
+        if spec.activation == "swiglu_clamped":
+            self.act = functools.partial(swiglu_clamped, alpha=spec.swiglu_alpha, limit=spec.swiglu_limit)
+        else:
+            self.act = silu_and_mul
         self.intermediate_local = intermediate_local
         # Each expert's w13 and w2 in oneDNN's layout (pack_for_cpu), replacing the two tensors.
         self.packed: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
@@ -146,7 +169,7 @@ class MoE(nn.Module):
 
     def _route(self, x: torch.Tensor, real_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights, expert ids) of each row, from float32 router logits; counts real rows' choices."""
-        logits = F.linear(x.float(), self.gate)
+        logits = F.linear(x.float(), self.gate, self.router_bias)
         weights, ids = select_experts(logits, self.spec, self.correction_bias)
         if real_rows is not None:
             self.load.index_add_(0, ids.flatten(), real_rows.repeat_interleave(self.top_k))
@@ -157,10 +180,12 @@ class MoE(nn.Module):
         if x.is_cuda:  # fixed shapes, top_k experts' work per row: eager and captured graphs alike
             from dpserve.layers.fused_moe import fused_experts  # Triton, imported where it runs
 
-            return fused_experts(x, self.w13, self.w2, weights, ids)
+            spec = self.spec
+            clamp = (spec.swiglu_alpha, spec.swiglu_limit) if spec.activation == "swiglu_clamped" else None
+            return fused_experts(x, self.w13, self.w2, weights, ids, b13=self.b13, b2=self.b2, clamp=clamp)
         if self.packed is not None:
-            return experts_loop(x, *self.packed, weights, ids, packed_linear)
-        return experts_loop(x, self.w13, self.w2, weights, ids)
+            return experts_loop(x, *self.packed, weights, ids, packed_linear, self.act, self.b13, self.b2)
+        return experts_loop(x, self.w13, self.w2, weights, ids, F.linear, self.act, self.b13, self.b2)
 
     def pack_for_cpu(self) -> bool:
         """Reorders every local expert's weights once for oneDNN and frees the stacked tensors, as
@@ -183,16 +208,28 @@ def experts_loop(
     w2: Sequence[torch.Tensor],
     weights: torch.Tensor,
     ids: torch.Tensor,
-    linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear,
+    linear: Callable[..., torch.Tensor] = F.linear,
+    act: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The routed experts' weighted sum per row, each chosen expert on its own rows (ids outside
     [0, experts) skipped): the CPU path, and the reference of the fused kernels. `w13`, `w2`: per
-    expert, stacked or packed for `linear`."""
+    expert, stacked or packed for `linear(x, w, bias)`; `act` of [gate | up]; biases per expert."""
     out = torch.zeros_like(x)
     for e in ids.unique().tolist():
         if not 0 <= e < len(w13):
             continue
         rows, slot = torch.where(ids == e)
-        y = linear(silu_and_mul(linear(x[rows], w13[e])), w2[e])
+        h = act(linear(x[rows], w13[e], None if b13 is None else b13[e]))
+        y = linear(h, w2[e], None if b2 is None else b2[e])
         out.index_add_(0, rows, y * weights[rows, slot, None].to(y.dtype))
     return out
+
+
+def swiglu_clamped(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's activation of [..., gate | up]: gate clamped above and up on both sides at `limit`,
+    then (up + 1) * gate * sigmoid(alpha * gate)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    return (up.clamp(-limit, limit) + 1) * gate * torch.sigmoid(gate * alpha)

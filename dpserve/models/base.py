@@ -91,10 +91,12 @@ def mlp_weights(mlp: MLP, prefix: str, topo: Topology) -> list[Weight]:
 def moe_weights(moe: MoE, prefix: str, topo: Topology) -> list[Weight]:
     """The router (replicated, float32); the routed experts, each split over WORLD as a dense MLP is
     (TP MoE) or this rank's own whole (EP: only they are read); the shared experts."""
+    whole = moe.num_experts < moe.gate.shape[0]  # expert-parallel
+    if moe.spec.checkpoint == "fused":
+        return fused_expert_weights(moe, prefix, topo, whole)
     out = [Weight(f"{prefix}.gate.weight", moe.gate)]
     if moe.correction_bias is not None:
         out.append(Weight(f"{prefix}.gate.e_score_correction_bias", moe.correction_bias))
-    whole = moe.num_experts < moe.gate.shape[0]  # expert-parallel
     for local in range(moe.num_experts):
         gate, up = moe.w13[local].chunk(2)
         name = f"{prefix}.experts.{moe.first_expert + local}"
@@ -107,6 +109,42 @@ def moe_weights(moe: MoE, prefix: str, topo: Topology) -> list[Weight]:
     if moe.shared_experts is not None:
         out += mlp_weights(moe.shared_experts, f"{prefix}.shared_experts", topo)
     return out
+
+
+def fused_expert_weights(moe: MoE, prefix: str, topo: Topology, whole: bool) -> list[Weight]:
+    """gpt-oss's experts, all in one tensor each: gate_up_proj [E, hidden, 2I] with gate and up
+    interleaved (so a rank's slice of I is one contiguous run of 2 I / tp columns), down_proj
+    [E, I, hidden], their biases [E, 2I] and [E, hidden]; the router `router` with a bias. The down
+    projection's bias is read by rank 0 alone under TP MoE (the partials are summed)."""
+    r, inter = topo.rank, moe.intermediate_local
+
+    def gate_then_up(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t[..., 0::2], t[..., 1::2]], dim=-1)
+
+    experts = f"{prefix}.experts"
+    out = [Weight(f"{prefix}.router.weight", moe.gate), Weight(f"{prefix}.router.bias", moe.router_bias)]
+    if whole:  # this rank's experts, whole
+        return out + [
+            Weight(
+                f"{experts}.gate_up_proj", moe.w13, 0, r, transform=lambda t: gate_then_up(t).transpose(1, 2)
+            ),
+            Weight(f"{experts}.down_proj", moe.w2, 0, r, transform=lambda t: t.transpose(1, 2)),
+            Weight(f"{experts}.gate_up_proj_bias", moe.b13, 0, r, transform=gate_then_up),
+            Weight(f"{experts}.down_proj_bias", moe.b2, 0, r),
+        ]
+    out += [
+        Weight(
+            f"{experts}.gate_up_proj",
+            moe.w13,
+            2,
+            r,
+            part_size=2 * inter,
+            transform=lambda t: gate_then_up(t).transpose(1, 2),
+        ),
+        Weight(f"{experts}.down_proj", moe.w2, 1, r, part_size=inter, transform=lambda t: t.transpose(1, 2)),
+        Weight(f"{experts}.gate_up_proj_bias", moe.b13, 1, r, part_size=2 * inter, transform=gate_then_up),
+    ]
+    return out + ([Weight(f"{experts}.down_proj_bias", moe.b2)] if r == 0 else [])
 
 
 class CausalLM(nn.Module):

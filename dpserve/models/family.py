@@ -19,7 +19,7 @@ class MoESpec:
     top_k: int
     intermediate_size: int  # one routed expert's
     shared_intermediate_size: int  # all shared experts together; 0: none
-    scoring: str  # softmax | sigmoid, over all experts
+    scoring: str  # softmax | sigmoid over all experts; topk_softmax: softmax over the top-k logits
     topk_method: str  # greedy | group_limited_greedy | noaux_tc (sigmoid + correction bias)
     num_groups: int = 1
     topk_groups: int = 1
@@ -28,6 +28,15 @@ class MoESpec:
     first_dense: int = 0  # layers before it are dense (DeepSeek's first_k_dense_replace)
     dense_layers: frozenset[int] = frozenset()  # dense anyway (Qwen's mlp_only_layers)
     sparse_step: int = 1  # every sparse_step-th layer is MoE (Qwen's decoder_sparse_step)
+    router_bias: bool = False
+    expert_bias: bool = False  # biases on gate/up and down
+    activation: str = "silu"  # silu(gate) * up; swiglu_clamped: gpt-oss's (gate, up clamped to limit)
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    # How the checkpoint names its experts: per_expert (experts.{e}.gate_proj...; router "gate") or
+    # fused (gpt-oss: experts.gate_up_proj [E, hidden, 2I] gate/up interleaved, experts.down_proj
+    # [E, I, hidden], their biases; router "router").
+    checkpoint: str = "per_expert"
 
     def is_moe_layer(self, index: int) -> bool:
         return (
@@ -51,7 +60,9 @@ class Family:
     qk_norm: Callable[[PretrainedConfig], bool] = lambda hf: (
         False
     )  # per-head RMSNorm on q and k before rotary
-    qkv_bias: bool = False  # attention_bias=true means biases on q, k and v (not o); else it is refused
+    # What attention_bias=true puts biases on: qkv (GLM), qkvo (gpt-oss); "": refused.
+    attention_bias: str = ""
+    sinks: bool = False  # a learned logit per head in the softmax's denominator (gpt-oss)
     config_as: str = ""  # read as this model_type (its own config code is never run)
 
 
@@ -106,6 +117,24 @@ def qwen3_moe(hf: PretrainedConfig) -> MoESpec | None:
     )
 
 
+def gpt_oss_moe(hf: PretrainedConfig) -> MoESpec:
+    return MoESpec(
+        num_experts=hf.num_local_experts,
+        experts_field="num_local_experts",
+        top_k=hf.num_experts_per_tok,
+        intermediate_size=hf.intermediate_size,
+        shared_intermediate_size=0,
+        scoring="topk_softmax",
+        topk_method="greedy",
+        router_bias=True,
+        expert_bias=True,
+        activation="swiglu_clamped",
+        swiglu_alpha=hf.swiglu_alpha,
+        swiglu_limit=hf.swiglu_limit,
+        checkpoint="fused",
+    )
+
+
 FAMILIES: dict[str, Family] = {
     "deepseek_v2": Family(("DeepseekV2ForCausalLM",), "mla", deepseek_moe),
     "deepseek_v3": Family(("DeepseekV3ForCausalLM",), "mla", deepseek_moe),
@@ -116,7 +145,12 @@ FAMILIES: dict[str, Family] = {
     "qwen3": Family(("Qwen3ForCausalLM",), "gqa", qk_norm=lambda hf: True),
     "qwen3_moe": Family(("Qwen3MoeForCausalLM",), "gqa", qwen3_moe, qk_norm=lambda hf: True),
     "glm4_moe": Family(
-        ("Glm4MoeForCausalLM",), "gqa", glm4_moe, qk_norm=lambda hf: bool(hf.use_qk_norm), qkv_bias=True
+        ("Glm4MoeForCausalLM",),
+        "gqa",
+        glm4_moe,
+        qk_norm=lambda hf: bool(hf.use_qk_norm),
+        attention_bias="qkv",
     ),
+    "gpt_oss": Family(("GptOssForCausalLM",), "gqa", gpt_oss_moe, attention_bias="qkvo", sinks=True),
 }
 SERVED = "dpserve serves " + "; ".join(f"{'/'.join(f.archs)} (model_type {t})" for t, f in FAMILIES.items())

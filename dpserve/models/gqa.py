@@ -28,15 +28,18 @@ class GQAAttention(nn.Module):
         layer_id: int,
         backend: AttentionBackend,
         rotary: RotaryEmbedding,
+        window: int = 0,
     ):
         super().__init__()
         hf = cfg.hf
         family = cfg.declaration
-        refused = ("mlp_bias", "use_sliding_window") + (() if family.qkv_bias else ("attention_bias",))
+        # Qwen's use_sliding_window (false in its published checkpoints) windows layers by other rules.
+        refused = ("mlp_bias", "use_sliding_window") + (() if family.attention_bias else ("attention_bias",))
         for flag in refused:
             if getattr(hf, flag, False):
                 raise ValueError(f"{cfg.arch} checkpoints with {flag}=true are not supported")
-        bias = bool(getattr(hf, "attention_bias", False))  # q, k and v (refused above where it is o too)
+        bias = family.attention_bias if getattr(hf, "attention_bias", False) else ""
+        self.window = window  # sliding window (0: every position)
         a = topo.attn_tp_size
         self.layer_id, self.topo, self.backend = layer_id, topo, backend
         self.head_dim = head_dim(cfg)
@@ -46,8 +49,11 @@ class GQAAttention(nn.Module):
         self.kv_start = topo.attn_tp_rank * cfg.num_kv_heads // a if a > cfg.num_kv_heads else None
         self.num_kv_heads = cfg.num_kv_heads
         h, d = cfg.hidden_size, self.head_dim
-        self.qkv_proj = Linear(h, (self.heads + 2 * self.kv_heads) * d, bias=bias)
-        self.o_proj = Linear(self.heads * d, h)
+        self.qkv_proj = Linear(h, (self.heads + 2 * self.kv_heads) * d, bias=bool(bias))
+        self.o_proj = Linear(self.heads * d, h, bias=bias == "qkvo")
+        if self.o_proj.bias is not None:  # row-parallel: attention TP rank 0 alone adds it
+            nn.init.zeros_(self.o_proj.bias)
+        self.sinks = nn.Parameter(torch.empty(self.heads), requires_grad=False) if family.sinks else None
         self.scale = d**-0.5
         self.rotary = rotary  # one table for the whole model
         qk_norm = family.qk_norm(hf)  # per head, over head_dim, before rotary
@@ -77,7 +83,7 @@ class GQAAttention(nn.Module):
         """Writes the new keys and values to the pool and attends over it."""
         pool.write(self.layer_id, batch.out_slots, k, v)
         k_cache, v_cache = pool.layers[self.layer_id]
-        return self.backend.gqa(q, k_cache, v_cache, batch.attn, self.scale)
+        return self.backend.gqa(q, k_cache, v_cache, batch.attn, self.scale, self.window, self.sinks)
 
     def weights(self, prefix: str) -> list[Weight]:
         """q heads split over ATTN_TP; k/v heads too, or the one KV head this rank's queries use."""
@@ -97,6 +103,10 @@ class GQAAttention(nn.Module):
                 Weight(f"{prefix}.q_norm.weight", self.q_norm.weight),
                 Weight(f"{prefix}.k_norm.weight", self.k_norm.weight),
             ]
+        if self.sinks is not None:
+            out.append(Weight(f"{prefix}.sinks", self.sinks, 0, r))
+        if self.o_proj.bias is not None and r == 0:
+            out.append(Weight(f"{prefix}.o_proj.bias", self.o_proj.bias))
         return [*out, Weight(f"{prefix}.o_proj.weight", self.o_proj.weight, 1, r)]
 
 
@@ -112,8 +122,14 @@ def build_gqa_layers(
     rotary = RotaryEmbedding(int(d * factor), cfg.context_len, rope, interleaved=False)
     mtp = options.speculative_algorithm == "NEXTN"
     kv_layers = [*range(cfg.num_layers), *([0] if mtp else [])]
+    # Sliding-window layers by transformers' layer_types (gpt-oss: every other one).
+    types = getattr(cfg.hf, "layer_types", None) or []
+    windows = [cfg.hf.sliding_window if t == "sliding_attention" else 0 for t in types]
     return [
-        (GQAAttention(cfg, groups.topo, kv, backend, rotary), build_mlp(cfg, groups, options, i))
+        (
+            GQAAttention(cfg, groups.topo, kv, backend, rotary, windows[i] if i < len(windows) else 0),
+            build_mlp(cfg, groups, options, i),
+        )
         for i, kv in enumerate(kv_layers)
     ]
 

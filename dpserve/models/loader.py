@@ -9,6 +9,9 @@ fills: the q/k/v rows of `qkv_proj`, one expert of `w13`), and the shard rule:
                                             row parallel, heads, experts)
     Weight(name, dest, dim, index, pad=True) the same, zeros past the tensor's end (a vocabulary
                                             padded to a multiple of the ranks)
+    Weight(..., part_size=n, transform=f)   a part of n elements along `dim` of the checkpoint's
+                                            layout, then `f` of it (gpt-oss's fused experts:
+                                            transposed, gate and up de-interleaved)
 
 Layers know nothing of checkpoints; a new sharding (experts per rank) or a new tensor format is a
 change here and in the models' tables only.
@@ -17,6 +20,7 @@ change here and in the models' tables only.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +36,8 @@ class Weight:
     dim: int | None = None  # None: replicated; else this rank's part along `dim`:
     index: int = 0  # elements [index * n, (index + 1) * n), n = dest.shape[dim]
     pad: bool = False  # zeros past the tensor's end instead of an error
+    part_size: int | None = None  # elements of the part along `dim` (default: dest.shape[dim])
+    transform: Callable[[torch.Tensor], torch.Tensor] | None = None  # the part into dest's layout
 
     def read(self, r: CheckpointReader) -> torch.Tensor:
         sl = r.slice(self.name)
@@ -39,7 +45,7 @@ class Weight:
         if self.dim is None:
             part = sl[:]
         else:
-            n = self.dest.shape[self.dim]
+            n = self.part_size or self.dest.shape[self.dim]
             start, stop = self.index * n, min((self.index + 1) * n, shape[self.dim])
             if stop - start < n and not self.pad:
                 raise ValueError(
@@ -50,9 +56,11 @@ class Weight:
             idx[self.dim] = slice(start, max(start, stop))
             part = sl[tuple(idx)]
             if stop - start < n:
-                full = torch.zeros(self.dest.shape, dtype=part.dtype)
+                full = torch.zeros((*shape[: self.dim], n, *shape[self.dim + 1 :]), dtype=part.dtype)
                 full.narrow(self.dim, 0, part.shape[self.dim]).copy_(part)
                 part = full
+        if self.transform is not None:
+            part = self.transform(part)
         if part.shape != self.dest.shape:
             raise ValueError(
                 f"{self.name}: the checkpoint's tensor {shape} gives {tuple(part.shape)} on this rank, "

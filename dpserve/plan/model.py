@@ -1,7 +1,8 @@
 """The model the planner plans for: a bundled config by name, a Hugging Face directory, or a config.json.
 
 Bundled configs (`configs/<name>/config.json`) are written from the published architecture numbers
-of each model's Hugging Face config.
+of each model's Hugging Face config (gpt-oss's without its MXFP4 quantization_config: the planner
+counts the experts at the engine's dtype).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ BUNDLED = (
     "qwen3-235b-a22b",
     "glm-4.5",
     "glm-4.5-air",
+    "gpt-oss-120b",
+    "gpt-oss-20b",
     "smollm2-135m",
 )
 

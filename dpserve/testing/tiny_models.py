@@ -32,6 +32,8 @@ from transformers import (
     GenerationConfig,
     Glm4MoeConfig,
     Glm4MoeForCausalLM,
+    GptOssConfig,
+    GptOssForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     PretrainedConfig,
@@ -208,6 +210,32 @@ _GLM4_MOE = _QWEN3 | dict(
     routed_scaling_factor=2.5,
     num_mtp_layers=0,  # no MTP weights are written unless asked
 )
+# gpt-oss: GQA with biases on q/k/v/o, a sink logit per head, a sliding window (8 here, so prompts pass
+# it) on every other layer, YaRN; a router with a bias, softmax over the top-k logits, experts with
+# biases and the clamped SwiGLU, stored fused (gate/up interleaved) as transformers saves them.
+_GPT_OSS = dict(
+    hidden_size=64,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    intermediate_size=32,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    sliding_window=8,
+    layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+    rope_parameters={
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 128,
+        "rope_theta": 150000.0,
+    },
+)
 # Kimi-K2: DeepSeek-V3's architecture, one expert group (no group limit), its own scaling factor;
 # written as DeepSeek-V3 weights under Kimi's config.json (model_type kimi_k2, code in auto_map).
 _KIMI_K2 = _DEEPSEEK_V3 | dict(n_group=1, topk_group=1, routed_scaling_factor=2.827, n_routed_experts=16)
@@ -224,6 +252,7 @@ _SPECS: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel], dict[str,
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, _QWEN3),
     "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, _QWEN3_MOE),
     "glm4_moe": (Glm4MoeConfig, Glm4MoeForCausalLM, _GLM4_MOE),
+    "gpt_oss": (GptOssConfig, GptOssForCausalLM, _GPT_OSS),
     "deepseek_v2_mid": (DeepseekV2Config, DeepseekV2ForCausalLM, _DEEPSEEK_V2_MID),
 }
 MTP_ARCHS = {
