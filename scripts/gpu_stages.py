@@ -147,9 +147,14 @@ def attention_error(kind: str, meta, slots: int, scale: Scale) -> float:
     from dpserve.attention.triton_backend import TritonBackend
 
     dev, dtype = scale.device, scale.kernel_dtype
+    window, sinks = 0, None
     if kind == "gqa":
         q = torch.randn(meta.num_tokens, 32, 128, device=dev, dtype=dtype)
         k, v = (torch.randn(slots, 8, 128, device=dev, dtype=dtype) for _ in range(2))
+    elif kind == "gpt-oss":  # 64 heads of 64 on 8 KV heads, a 128-token window, attention sinks
+        q = torch.randn(meta.num_tokens, 64, 64, device=dev, dtype=dtype)
+        k, v = (torch.randn(slots, 8, 64, device=dev, dtype=dtype) for _ in range(2))
+        window, sinks = 128, torch.randn(64, device=dev, dtype=dtype)
     else:
         q = torch.randn(meta.num_tokens, int(kind), 576, device=dev, dtype=dtype)
         cache = torch.randn(slots, 576, device=dev, dtype=dtype)
@@ -157,14 +162,17 @@ def attention_error(kind: str, meta, slots: int, scale: Scale) -> float:
     for backend in (SdpaBackend(), TritonBackend()):
         m = AttentionMetadata(**{**meta.__dict__, "state": {}})
         backend.prepare(m)
-        out = backend.gqa(q, k, v, m, 0.088) if kind == "gqa" else backend.mla(q, cache, m, 576**-0.5, 512)
+        if kind in ("gqa", "gpt-oss"):
+            out = backend.gqa(q, k, v, m, 0.088, window, sinks)
+        else:
+            out = backend.mla(q, cache, m, 576**-0.5, 512)
         outs.append(out.float())
     return (outs[0] - outs[1]).abs().max().item()
 
 
 def kernels(scale: Scale) -> str:
-    """Triton attention (MLA 512+64 at every heads-per-latent of the DeepSeek family, GQA; decode
-    and extend) and the fused MoE (per-rank expert shapes of V3) against the torch paths."""
+    """Triton attention (MLA 512+64 at every heads-per-latent of the DeepSeek family, GQA, gpt-oss's
+    windows and sinks; decode and extend) and the fused MoE (per-rank expert shapes of V3) against the torch paths."""
     from dpserve.layers.fused_moe import fused_experts
     from dpserve.layers.mlp import experts_loop
 
@@ -174,7 +182,8 @@ def kernels(scale: Scale) -> str:
     extend = [s for s, _ in scale.extend_lens], [q for _, q in scale.extend_lens]
     for step, (seq_lens, q_lens) in (("decode", decode), ("extend", extend)):
         meta, slots = attention_meta(seq_lens, q_lens, dev)
-        errors = {k: attention_error(k, meta, slots, scale) for k in (*map(str, scale.mla_heads), "gqa")}
+        kinds = (*map(str, scale.mla_heads), "gqa", "gpt-oss")
+        errors = {k: attention_error(k, meta, slots, scale) for k in kinds}
         worst = max(errors.values())
         expect(worst < scale.tol, failures, f"{step} attention error {worst:.2e}")
         figures.append(f"{step} " + " ".join(f"{k}:{e:.1e}" for k, e in errors.items()))

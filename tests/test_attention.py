@@ -75,13 +75,14 @@ def mla_case(heads, latent, rope, seq_lens, q_lens, pad=0, seed=0):
     return run_both(lambda b, m: b.mla(q, cache, m, scale, latent), meta)
 
 
-def gqa_case(heads, kv_heads, dim, seq_lens, q_lens, pad=0, seed=0, v_dim=None):
+def gqa_case(heads, kv_heads, dim, seq_lens, q_lens, pad=0, seed=0, v_dim=None, window=0, sinks=False):
     meta, num_slots = make_meta(seq_lens, q_lens, pad, seed=seed)
     g = torch.Generator().manual_seed(seed + 1)
     k = torch.randn(num_slots, kv_heads, dim, generator=g)
     v = torch.randn(num_slots, kv_heads, v_dim or dim, generator=g)
     q = torch.randn(meta.num_tokens, heads, dim, generator=g)
-    return run_both(lambda b, m: b.gqa(q, k, v, m, dim**-0.5), meta)
+    s = 2 * torch.randn(heads, generator=g) if sinks else None
+    return run_both(lambda b, m: b.gqa(q, k, v, m, dim**-0.5, window, s), meta)
 
 
 DECODE = ([5, 1, 17, 9], [1, 1, 1, 1])
@@ -103,6 +104,14 @@ def test_mla_deepseek_dims(lens):
 @pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 16), (6, 2, 96), (3, 3, 64), (2, 1, 8)])
 def test_gqa(lens, heads, kv_heads, dim):
     gqa_case(heads, kv_heads, dim, *lens, pad=2)
+
+
+@pytest.mark.parametrize("lens", [DECODE, EXTEND], ids=["decode", "extend"])
+@pytest.mark.parametrize("window,sinks", [(4, False), (0, True), (6, True)])
+def test_gqa_sliding_window_and_sinks(lens, window, sinks):
+    """gpt-oss's attention: each query sees its last `window` positions (contexts longer and
+    shorter than it, chunks whose queries' windows start apart), and a sink logit per head."""
+    gqa_case(8, 2, 32, *lens, pad=2, window=window, sinks=sinks)
 
 
 @pytest.mark.parametrize("lens", [DECODE, EXTEND], ids=["decode", "extend"])

@@ -20,7 +20,6 @@ from pathlib import Path
 import pytest
 from conftest import FAMILY_ARCHS, GREEDY, KV_BUDGET_GB, assert_matches_reference
 
-from dpserve import Engine
 from dpserve.models.config import ModelConfig
 from dpserve.models.tokenizer import load_tokenizer
 from dpserve.testing.reference import hf_greedy_reference
@@ -137,12 +136,17 @@ def test_gpt_oss_on_the_reference_backend(engine_cache, model_dirs, family_refs,
     assert_matches_reference(outs, family_refs["gpt_oss"])
 
 
-def test_triton_kernels_refuse_windows_and_sinks(model_dirs):
-    """The Triton attention kernels have neither (yet): the engine says so before it serves."""
-    with pytest.raises(
-        ValueError, match="sliding-window attention or attention sinks, which the Triton attention kernels"
-    ):
-        Engine(model_path=model_dirs["gpt_oss"], device="cpu", dtype="float32", attention_backend="triton")
+def test_gpt_oss_on_the_triton_kernels(engine_cache, model_dirs, family_refs, prompts):
+    """The GPU's paged kernels (Triton's interpreter here) with windows and sinks, through the engine:
+    prefill by the extend kernel, decode by the split-K kernel."""
+    engine = engine_cache.get(
+        model_dirs["gpt_oss"],
+        attention_backend="triton",
+        dp_padding_mode="sum_len",
+        kv_cache_memory_gb=KV_BUDGET_GB,
+    )
+    outs = engine.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True)
+    assert_matches_reference(outs, family_refs["gpt_oss"])
 
 
 @pytest.mark.parametrize(

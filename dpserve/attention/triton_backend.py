@@ -22,17 +22,29 @@ class TritonBackend(AttentionBackend):
         return self._attend(q, cache[:, None, :], cache[:, None, :v_dim], meta, scale)
 
     def gqa(self, q, k_cache, v_cache, meta, scale, window=0, sinks=None):
-        assert not window and sinks is None, "refused at start-up (ModelConfig.validate)"
-        return self._attend(q, k_cache, v_cache, meta, scale)
+        return self._attend(q, k_cache, v_cache, meta, scale, window, sinks)
 
     def _attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, scale: float
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int = 0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         out = q.new_empty((q.shape[0], q.shape[1], v.shape[-1]))
         common = (q, k, v, meta.req_to_token, meta.req_idx, meta.seq_lens)
         # Both are ints fixed per step (and per captured graph): one token per request exactly.
         if meta.max_q_len == 1 and meta.num_tokens == meta.batch_size:
             return decode_attention(
-                *common, out, scale, num_kv_splits=self.num_kv_splits, max_seq_len=meta.max_seq_len
+                *common,
+                out,
+                scale,
+                num_kv_splits=self.num_kv_splits,
+                max_seq_len=meta.max_seq_len,
+                window=window,
+                sinks=sinks,
             )
-        return extend_attention(*common, meta.q_start, out, scale, meta.max_q_len)
+        return extend_attention(*common, meta.q_start, out, scale, meta.max_q_len, window=window, sinks=sinks)

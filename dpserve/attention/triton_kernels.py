@@ -168,9 +168,26 @@ def _mid_offset(b, heads, split, num_splits, NUM_HEADS: tl.constexpr, ROW: tl.co
     return _row_head_offset(b, heads, NUM_HEADS * num_splits * ROW, num_splits * ROW) + split * ROW
 
 
+@triton.jit
+def _window_start(seq_len, window):
+    """The first position a sliding window of `window` (0: none) leaves in sight of the query at
+    position seq_len - 1."""
+    return tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+
+
+@triton.jit
+def _add_sink(l_i, m_i, sink):
+    """A softmax's sum l_i (in the frame of its running max m_i) with one more logit, `sink`, that
+    takes no value (attention sinks): returns (alpha, l) in the new frame, the accumulator to be
+    multiplied by alpha."""
+    m_new = tl.maximum(m_i, sink)
+    alpha = tl.exp(m_i - m_new)
+    return alpha, l_i * alpha + tl.exp(sink - m_new)
+
+
 # num_splits follows the step's longest context: a runtime int, never specialized on (value 1,
 # divisibility by 16), so every context length runs the same compiled kernel.
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit(do_not_specialize=["num_splits", "window"])
 def _decode_split_kernel(
     Q,
     K,
@@ -182,6 +199,7 @@ def _decode_split_kernel(
     MidLse,
     scale,
     num_splits,
+    window,
     stride_qb,
     stride_qh,
     stride_ks,
@@ -214,8 +232,9 @@ def _decode_split_kernel(
 
     seq_len = tl.load(SeqLens + b)
     row = tl.load(ReqIdx + b).to(tl.int64)
-    split_len = tl.cdiv(seq_len, num_splits)
-    start = split * split_len
+    first = _window_start(seq_len, window)  # the split-K slices cover [first, seq_len)
+    split_len = tl.cdiv(seq_len - first, num_splits)
+    start = first + split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
     offs_d = tl.arange(0, BLOCK_D)
@@ -270,22 +289,26 @@ def _decode_split_kernel(
         tl.store(MidLse + _mid_offset(b, heads, split, num_splits, NUM_HEADS, 1), lse, mask=mask_h)
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit(do_not_specialize=["num_splits", "window"])
 def _decode_reduce_kernel(
     MidO,
     MidLse,
     SeqLens,
+    Sinks,
     Out,
     num_splits,
+    window,
     stride_ob,
     stride_oh,
     NUM_HEADS: tl.constexpr,
     LV: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(SeqLens + b)
+    seq_len = seq_len - _window_start(seq_len, window)  # the keys the slices cover
     split_len = tl.cdiv(seq_len, num_splits)
     offs_dv = tl.arange(0, BLOCK_DV)
     mask_dv = offs_dv < LV
@@ -304,6 +327,9 @@ def _decode_reduce_kernel(
             acc = acc * alpha + w * o
             l_i = l_i * alpha + w
             m_i = m_new
+    if HAS_SINKS:
+        alpha, l_i = _add_sink(l_i, m_i, tl.load(Sinks + h).to(tl.float32))
+        acc = acc * alpha
     safe_l = tl.where(l_i > 0, l_i, 1.0)
     tl.store(
         Out + b * stride_ob + h * stride_oh + offs_dv, (acc / safe_l).to(Out.dtype.element_ty), mask=mask_dv
@@ -322,8 +348,11 @@ def decode_attention(
     num_kv_splits: int | None = None,
     max_seq_len: int | None = None,
     launch: Launch | None = None,
+    window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of one new token per request against its whole context in the paged pool.
+    """Attention of one new token per request against its whole context in the paged pool (its
+    last `window` positions when > 0; `sinks` [heads]: a logit per head with no value).
 
     q [batch, heads, dk]; k_cache [slots, kv_heads, dk] and v_cache [slots, kv_heads, dv] (any
     strides, last dim contiguous; MLA passes views of one cache); req_to_token [rows, width]
@@ -366,6 +395,7 @@ def decode_attention(
         mid_lse,
         scale,
         splits,
+        window,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -394,19 +424,22 @@ def decode_attention(
         mid_o,
         mid_lse,
         seq_lens,
+        sinks if sinks is not None else mid_lse,
         out,
         splits,
+        window,
         out.stride(0),
         out.stride(1),
         NUM_HEADS=heads,
         LV=lv,
         BLOCK_DV=_block_dv(lv),
+        HAS_SINKS=sinks is not None,
         num_warps=4,
     )
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window"])
 def _extend_kernel(
     Q,
     K,
@@ -416,7 +449,9 @@ def _extend_kernel(
     ReqIdx,
     SeqLens,
     QStart,
+    Sinks,
     scale,
+    window,
     stride_qt,
     stride_qh,
     stride_ks,
@@ -436,6 +471,7 @@ def _extend_kernel(
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -470,7 +506,9 @@ def _extend_kernel(
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
         end = tl.minimum(seq_len, prefix + (mb + 1) * BLOCK_M)  # causal: nothing past the last query
-        for n0 in range(0, end, BLOCK_N):
+        # A sliding window: nothing before the first query's window either (whole key blocks).
+        first = _window_start(prefix + mb * BLOCK_M + 1, window) // BLOCK_N * BLOCK_N
+        for n0 in range(first, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < end
             slots = tl.load(ReqToToken + row * stride_rt + offs_n, mask=mask_n, other=0).to(tl.int64)
@@ -485,18 +523,24 @@ def _extend_kernel(
                     kpe = kpe.to(tl.float32)
                 qk += tl.dot(qpe, kpe, input_precision=PRECISION)
             visible = mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None])
+            if window > 0:
+                visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
             qk = tl.where(visible, qk * scale, float("-inf"))
             v_ptr = V + slots[:, None] * stride_vs + kv_head * stride_vh
             v = tl.load(v_ptr + offs_dv[None, :], mask=mask_n[:, None] & mask_dv[None, :], other=0.0)
             if UPCAST:
                 v = v.to(tl.float32)
-            # Key 0 is visible to every query, so each row's running max is finite after block 0.
+            # A window can hide a whole block from a row: its max stays -inf, its terms 0.
             m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(qk - m_new[:, None])
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(qk - m_safe[:, None])
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             l_i = l_i * alpha + tl.sum(p, 1)
             m_i = m_new
+        if HAS_SINKS:
+            alpha, l_i = _add_sink(l_i, m_i, tl.load(Sinks + h).to(tl.float32))
+            acc = acc * alpha[:, None]
         safe_l = tl.where(l_i > 0, l_i, 1.0)
         out_ptr = Out + (q_first + offs_m[:, None]).to(tl.int64) * stride_ot + h * stride_oh
         tl.store(
@@ -518,8 +562,11 @@ def extend_attention(
     scale: float,
     max_q_len: int,
     launch: Launch | None = None,
+    window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention of each request's new tokens against its prefix and themselves.
+    """Causal attention of each request's new tokens against its prefix and themselves (each
+    query its last `window` positions when > 0; `sinks` [heads]: a logit per head with no value).
 
     q [tokens, heads, dk] packs the requests' new tokens; request b owns rows
     q_start[b] .. q_start[b + 1] - 1 (q_len of them), at positions seq_len - q_len .. seq_len - 1,
@@ -557,7 +604,9 @@ def extend_attention(
         req_idx,
         seq_lens,
         q_start,
+        sinks if sinks is not None else q,
         scale,
+        window,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -577,6 +626,7 @@ def extend_attention(
         BLOCK_N=launch.block_n,
         PRECISION=_dot_precision(q.dtype),
         UPCAST=_upcast(q.dtype),
+        HAS_SINKS=sinks is not None,
         num_warps=launch.num_warps,
         num_stages=launch.num_stages,
     )

@@ -102,12 +102,6 @@ class ModelConfig:
             raise ValueError(
                 f"num_key_value_heads={self.num_kv_heads} must divide or be divisible by {a} {layout}{hint}"
             )
-        windows = [t for t in getattr(self.hf, "layer_types", None) or [] if t == "sliding_attention"]
-        if cfg.attention_backend == "triton" and (windows or self.declaration.sinks):
-            raise ValueError(
-                f"{self.arch} has sliding-window attention or attention sinks, which the Triton attention "
-                "kernels do not run yet; use --attention-backend sdpa (or torch on the CPU)"
-            )
         moe = self.moe
         if cfg.ep_size > 1 and moe is None:
             raise ValueError(f"ep_size={cfg.ep_size} splits routed experts, but {self.arch} has none")

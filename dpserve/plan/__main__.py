@@ -33,7 +33,6 @@ PLANNED_OPTIONS = (
     "disable_cuda_graph",
     "enable_dp_lm_head",
     "moe_dense_tp_size",
-    "attention_backend",
 )
 
 
