@@ -13,17 +13,21 @@ from __future__ import annotations
 
 import base64
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import FAMILY_ARCHS, GREEDY, KV_BUDGET_GB, assert_matches_reference
+from safetensors.torch import load_file
 
 from dpserve.models.config import ModelConfig
+from dpserve.models.loader import CheckpointReader
 from dpserve.models.tokenizer import load_tokenizer
 from dpserve.testing.reference import hf_greedy_reference
-from dpserve.testing.tiny_models import write_tiny_model
+from dpserve.testing.tiny_models import dequantized_copy, quantize_experts_mxfp4, write_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +124,41 @@ def test_gpt_oss_reads_its_windows_sinks_and_fused_experts(model_dirs):
     )
     assert (cfg.hf.sliding_window, cfg.hf.layer_types[:2]) == (8, ["sliding_attention", "full_attention"])
     assert cfg.declaration.sinks and cfg.declaration.attention_bias == "qkvo"
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_mxfp4(model_dirs, tmp_path_factory) -> tuple[str, str]:
+    """(an MXFP4 gpt-oss checkpoint, its float32 copy dequantized by transformers)."""
+    root = tmp_path_factory.mktemp("mxfp4")
+    path = root / "mxfp4"
+    shutil.copytree(model_dirs["gpt_oss"], path)
+    quantize_experts_mxfp4(path)
+    return str(path), str(dequantized_copy(path, root / "dequantized"))
+
+
+def test_mxfp4_experts_read_as_transformers_dequantizes_them(gpt_oss_mxfp4):
+    """Whole, per expert, and a rank's part that starts and ends inside a group of 32: the same
+    float32 values as transformers' own dequantization."""
+    path, reference = gpt_oss_mxfp4
+    ref = load_file(str(Path(reference) / "model.safetensors"))
+    reader = CheckpointReader(path)
+    for name in ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"):
+        assert name not in load_file(str(Path(path) / "model.safetensors"))  # blocks and scales only
+        tensor = reader.slice(name)
+        assert tensor.get_shape() == list(ref[name].shape)
+        assert torch.equal(tensor[:], ref[name])
+        parts = (slice(2, 5), slice(8, 16), slice(None))
+        assert torch.equal(tensor[parts], ref[name][parts])
+
+
+def test_mxfp4_gpt_oss_greedy_matches_transformers(engine_cache, gpt_oss_mxfp4, prompts):
+    path, reference = gpt_oss_mxfp4
+    assert ModelConfig.load(path).hf.quantization_config["quant_method"] == "mxfp4"
+    engine = engine_cache.get(
+        path, tp_size=4, dp_size=2, enable_dp_attention=True, kv_cache_memory_gb=KV_BUDGET_GB
+    )
+    outs = engine.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True)
+    assert_matches_reference(outs, hf_greedy_reference(reference, prompts, GREEDY["max_new_tokens"]))
 
 
 def test_gpt_oss_on_the_reference_backend(engine_cache, model_dirs, family_refs, prompts):

@@ -48,14 +48,18 @@ class ModelConfig:
         if family not in FAMILIES or arch not in FAMILIES[family].archs:
             raise ValueError(f"unsupported architecture {arch!r} (model_type {family!r}); {SERVED}")
         quant = getattr(hf, "quantization_config", None)
-        if quant:
+        method = (
+            (quant.get("quant_method", "?") if isinstance(quant, dict) else type(quant).__name__)
+            if quant
+            else ""
+        )
+        if method and method not in FAMILIES[family].quantizations:
             # Loading quantized tensors without their scales would serve garbage without an error.
-            method = quant.get("quant_method", "?") if isinstance(quant, dict) else type(quant).__name__
             raise ValueError(
                 f"{model_path}: quantization_config with quant_method={method!r} is not supported; dpserve "
-                "runs unquantized checkpoints (float32, float16, bfloat16 safetensors) and GGUF files "
-                "(dequantized at load). Dequantize the checkpoint first (DeepSeek-V3's FP8 weights: "
-                "its fp8_cast_bf16.py)."
+                "runs unquantized checkpoints (float32, float16, bfloat16 safetensors), GGUF files and "
+                "gpt-oss's MXFP4 experts (dequantized at load). Dequantize the checkpoint first (DeepSeek-V3's "
+                "FP8 weights: its fp8_cast_bf16.py)."
             )
         return cls(
             hf=hf,

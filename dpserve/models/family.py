@@ -63,6 +63,7 @@ class Family:
     # What attention_bias=true puts biases on: qkv (GLM), qkvo (gpt-oss); "": refused.
     attention_bias: str = ""
     sinks: bool = False  # a learned logit per head in the softmax's denominator (gpt-oss)
+    quantizations: tuple[str, ...] = ()  # quant_methods dequantized at load (gpt-oss: mxfp4 experts)
     config_as: str = ""  # read as this model_type (its own config code is never run)
 
 
@@ -151,6 +152,13 @@ FAMILIES: dict[str, Family] = {
         qk_norm=lambda hf: bool(hf.use_qk_norm),
         attention_bias="qkv",
     ),
-    "gpt_oss": Family(("GptOssForCausalLM",), "gqa", gpt_oss_moe, attention_bias="qkvo", sinks=True),
+    "gpt_oss": Family(
+        ("GptOssForCausalLM",),
+        "gqa",
+        gpt_oss_moe,
+        attention_bias="qkvo",
+        sinks=True,
+        quantizations=("mxfp4",),
+    ),
 }
 SERVED = "dpserve serves " + "; ".join(f"{'/'.join(f.archs)} (model_type {t})" for t, f in FAMILIES.items())

@@ -426,6 +426,60 @@ def mtp_layer_state_dict(
     return tensors
 
 
+def quantize_experts_mxfp4(model_dir: str | Path, seed: int = 0) -> None:
+    """Gives a tiny gpt-oss checkpoint random MXFP4 experts, stored as OpenAI ships them:
+    ``experts.{gate_up,down}_proj_blocks`` [E, out, in / 32, 16] uint8 (two FP4 codes per byte) and
+    ``_scales`` [E, out, in / 32] uint8 (powers of two from 2^-6 to 2^-4), with a ``quantization_config``
+    naming mxfp4. Their bfloat16 tensors are removed; the biases stay."""
+    out = Path(model_dir)
+    path = out / "model.safetensors"
+    tensors = load_file(str(path))
+    g = torch.Generator().manual_seed(seed)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, inner, outer = tensors.pop(name).shape  # transformers' [E, in, out]
+        groups = inner // 32
+        tensors[name + "_blocks"] = torch.randint(
+            0, 256, (experts, outer, groups, 16), generator=g, dtype=torch.uint8
+        )
+        tensors[name + "_scales"] = torch.randint(
+            123, 126, (experts, outer, groups), generator=g, dtype=torch.uint8
+        )
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    config_path = out / "config.json"
+    config = json.loads(config_path.read_text())
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+    }
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def dequantized_copy(model_dir: str | Path, out_dir: str | Path) -> Path:
+    """A float32 copy of an MXFP4 gpt-oss checkpoint, dequantized by transformers' own function
+    (the reference an engine reading the MXFP4 files must match)."""
+    import shutil
+
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    src, out = Path(model_dir), Path(out_dir)
+    shutil.copytree(src, out)
+    tensors = load_file(str(out / "model.safetensors"))
+    for blocks in [n for n in tensors if n.endswith("_blocks")]:
+        name = blocks.removesuffix("_blocks")
+        scales = tensors.pop(name + "_scales")
+        tensors[name] = convert_moe_packed_tensors(tensors.pop(blocks), scales, dtype=torch.float32)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config.pop("quantization_config")
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return out
+
+
 def add_mtp_layer(model_dir: str | Path, tensors: dict[str, torch.Tensor]) -> None:
     """Add MTP tensors to a saved checkpoint and set ``num_nextn_predict_layers: 1`` in its config.json.
 
