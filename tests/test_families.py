@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FAMILY_ARCHS, GREEDY, KV_BUDGET_GB, assert_matches_reference
+from conftest import FAMILY_ARCHS, GREEDY, KV_BUDGET_GB, SMALL_POOL, assert_matches_reference
 from safetensors.torch import load_file
 
 from dpserve.models.config import ModelConfig
@@ -159,6 +159,34 @@ def test_mxfp4_gpt_oss_greedy_matches_transformers(engine_cache, gpt_oss_mxfp4, 
     )
     outs = engine.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True)
     assert_matches_reference(outs, hf_greedy_reference(reference, prompts, GREEDY["max_new_tokens"]))
+
+
+@pytest.mark.parametrize("arch", ["gpt_oss", "qwen3_moe"])
+def test_features_compose_with_the_family(engine_cache, model_dirs, family_refs, prompts, arch):
+    """Chunked prefill (8 tokens per group), a pool small enough to retract, prefix-cache hits (every
+    prompt twice, side by side in one group), NGRAM drafts and the DP LM head, under DP attention
+    with expert parallelism: every output still transformers' greedy one."""
+    engine = engine_cache.get(
+        model_dirs[arch],
+        tp_size=2,
+        dp_size=2,
+        enable_dp_attention=True,
+        ep_size=2,
+        enable_dp_lm_head=True,
+        chunked_prefill_size=16,
+        max_total_tokens=SMALL_POOL,
+        load_balance_method="round_robin",
+        speculative_algorithm="NGRAM",
+        speculative_num_steps=3,
+    )
+    metrics_before = engine.get_metrics()
+    outs = engine.generate(input_ids=prompts * 2, sampling_params=GREEDY, return_logprob=True)
+    for k in range(2):
+        assert_matches_reference(outs[k * len(prompts) : (k + 1) * len(prompts)], family_refs[arch])
+    metrics = engine.get_metrics()
+    assert sum(m["retractions"] for m in metrics) > sum(m["retractions"] for m in metrics_before)
+    assert sum(o["meta_info"]["cached_tokens"] for o in outs) > 0
+    assert all(o["meta_info"]["spec_verify_ct"] > 0 for o in outs)
 
 
 def test_gpt_oss_on_the_reference_backend(engine_cache, model_dirs, family_refs, prompts):
