@@ -189,6 +189,21 @@ def test_features_compose_with_the_family(engine_cache, model_dirs, family_refs,
     assert all(o["meta_info"]["spec_verify_ct"] > 0 for o in outs)
 
 
+def test_gpt_oss_compiled_decode(engine_cache, model_dirs, family_refs, prompts):
+    """torch.compile of padded decode steps through sinks, windows and the biased experts."""
+    engine = engine_cache.get(
+        model_dirs["gpt_oss"],
+        enable_torch_compile=True,
+        cuda_graph_bs=(8,),
+        kv_cache_memory_gb=KV_BUDGET_GB,
+    )
+    engine.get_step_log()
+    outs = engine.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True)
+    assert_matches_reference(outs, family_refs["gpt_oss"])
+    decode = [s for s in engine.get_step_log()[0] if s.kind == "decode"]
+    assert decode and all(s.padded for s in decode)
+
+
 def test_gpt_oss_on_the_reference_backend(engine_cache, model_dirs, family_refs, prompts):
     """SDPA's path for windows (a mask) and sinks (its own softmax), decode rows included."""
     engine = engine_cache.get(

@@ -35,6 +35,8 @@ CASES = [
     ("deepseek_v2", 4, 4, True, KV_GB),
     ("llama", 2, 1, False, KV_GB),  # tp=2 without DP attention
     ("qwen3_moe", 4, 2, True, KV_GB),  # GQA + MoE: one KV head per attention-TP rank
+    ("gpt_oss", 2, 2, True, KV_GB),  # sinks, biases (o's on one rank), fused experts with biases
+    ("glm4_moe_mtp", 4, 4, True, KV_GB),  # q/k/v biases, shared expert, dense first layer
     (SMOLLM2, 2, 2, True, KV_GB),
 ]
 
