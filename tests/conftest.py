@@ -17,13 +17,14 @@ from dpserve.testing.reference import hf_greedy_reference, random_prompts
 from dpserve.testing.tiny_models import write_tiny_model
 
 ARCHS = ("deepseek_v2", "deepseek_v3", "llama")
-# The other families' tiny checkpoints, checked in test_families.py (their references there).
+# The other families' tiny checkpoints (their references in test_families.py and test_dsa.py).
 FAMILY_ARCHS = (
     "kimi_k2",
     "qwen3",
     "qwen3_moe",
     "glm4_moe_mtp",
     "gpt_oss",
+    "deepseek_v32",
 )
 KV_BUDGET_GB = 0.002  # the same per-rank KV budget for every parity engine
 NEW_TOKENS = 16

@@ -75,6 +75,7 @@ CASES = [
     *[("qwen3_moe", *layout) for layout in [*LAYOUTS, (4, 4, 4, "all_to_all")]],
     *[("glm4_moe_mtp", *layout) for layout in [*LAYOUTS, (4, 4, 4, "all_to_all")]],
     *[("gpt_oss", *layout) for layout in [*LAYOUTS, (4, 4, 4, "none")]],
+    *[("deepseek_v32", *layout) for layout in [*LAYOUTS, (4, 4, 4, "all_to_all")]],  # more in test_dsa.py
     ("qwen3", 2, 1, 1, "none"),
 ]
 

@@ -37,6 +37,7 @@ CASES = [
     ("qwen3_moe", 4, 2, True, KV_GB),  # GQA + MoE: one KV head per attention-TP rank
     ("gpt_oss", 2, 2, True, KV_GB),  # sinks, biases (o's on one rank), fused experts with biases
     ("glm4_moe_mtp", 4, 4, True, KV_GB),  # q/k/v biases, shared expert, dense first layer
+    ("deepseek_v32", 2, 2, True, KV_GB),  # the indexer's key cached beside the latent
     (SMOLLM2, 2, 2, True, KV_GB),
 ]
 

@@ -19,6 +19,7 @@ from dpserve.layers.rotary import RotaryEmbedding, yarn_softmax_scale
 from dpserve.models.base import build_mlp
 from dpserve.models.batch import ForwardBatch
 from dpserve.models.config import ModelConfig
+from dpserve.models.dsa import Indexer, sparse_mla
 from dpserve.models.loader import Weight
 
 LORA_NORM_EPS = 1e-6  # DeepSeek's q_a/kv_a layernorms use the default epsilon
@@ -67,6 +68,7 @@ class MLAAttention(nn.Module):
         backend: AttentionBackend,
         rotary: RotaryEmbedding,
         prefill: str = "auto",
+        indexer: Indexer | None = None,
     ):
         super().__init__()
         hf = cfg.hf
@@ -93,28 +95,57 @@ class MLAAttention(nn.Module):
         self.o_proj = Linear(self.heads * self.v_dim, h)
         self.scale = qk_dim**-0.5 * yarn_softmax_scale(dict(hf.rope_parameters or {}))
         self.rotary = rotary  # one table for the whole model
+        self.indexer = indexer  # DeepSeek-V3.2's sparse attention: the keys each query attends to
 
     def kv_entry_shapes(self) -> list[tuple[int, ...]]:
-        return [(self.rank + self.rope_dim,)]
+        latent = (self.rank + self.rope_dim,)
+        return [latent] if self.indexer is None else [latent, (self.indexer.dim,)]
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
         n = x.shape[0]
         if n == 0:
             return x.new_zeros(0, x.shape[1])
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora_rank else self.q_proj(x)
+        q_latent = self.q_a_layernorm(self.q_a_proj(x)) if self.q_lora_rank else None
+        q = self.q_b_proj(q_latent) if self.q_lora_rank else self.q_proj(x)
         q_nope, q_pe = q.view(n, self.heads, -1).split([self.nope, self.rope_dim], dim=-1)
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)
         pe = self.rotary(torch.cat([q_pe, k_pe.unsqueeze(1)], dim=1), batch.positions)  # one call for both
         q_pe, k_pe = pe[:, : self.heads], pe[:, self.heads]
-        out = self.attend(q_nope, q_pe, torch.cat([latent, k_pe], dim=-1), batch, pool)
+        kv = torch.cat([latent, k_pe], dim=-1)
+        if self.indexer is None:
+            out = self.attend(q_nope, q_pe, kv, batch, pool)
+        else:
+            out = self.attend_sparse(x, q_latent, q_nope, q_pe, kv, batch, pool)
         return self.o_proj(out.reshape(n, -1))
 
+    def attend_sparse(self, x, q_latent, q_nope, q_pe, kv, batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
+        """DeepSeek-V3.2: caches the latent and the indexer key; while every request of the step fits
+        in index_topk tokens all keys are selected, the dense forms' result; past it, each query
+        attends to the keys the indexer picks, in the absorbed form."""
+        pool.write(self.layer_id, batch.out_slots, kv, self.indexer.key(x, batch.positions))
+        meta = batch.attn
+        if meta.max_seq_len <= self.indexer.topk:
+            return self.attend(q_nope, q_pe, kv, batch, pool, written=True)
+        latents, keys = pool.layers[self.layer_id]
+        slots, real = self.indexer.select(x, q_latent, batch.positions, keys, meta)
+        return self._absorbed(
+            q_nope, q_pe, pool, meta, lambda q: sparse_mla(q, latents, slots, real, self.scale, self.rank)
+        )
+
     def attend(
-        self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, batch: ForwardBatch, pool: KVPool
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        kv: torch.Tensor,
+        batch: ForwardBatch,
+        pool: KVPool,
+        written: bool = False,
     ) -> torch.Tensor:
-        """Writes the new latents `kv` to the pool and attends over it: [tokens, heads, v_dim]."""
-        pool.write(self.layer_id, batch.out_slots, kv)
+        """Writes the new latents `kv` to the pool (unless `written`) and attends over it: [tokens,
+        heads, v_dim]."""
+        if not written:
+            pool.write(self.layer_id, batch.out_slots, kv)
         split = self._split(batch.attn, kv.is_cuda)
         if split is None:
             return self._absorbed(q_nope, q_pe, pool, batch.attn)
@@ -126,11 +157,17 @@ class MLAAttention(nn.Module):
             out[rest[1]] = self._absorbed(q_nope[rest[1]], q_pe[rest[1]], pool, rest[0])
         return out
 
-    def _absorbed(self, q_nope, q_pe, pool: KVPool, meta: AttentionMetadata) -> torch.Tensor:
+    def _absorbed(
+        self, q_nope, q_pe, pool: KVPool, meta: AttentionMetadata, attend_latent=None
+    ) -> torch.Tensor:
+        """`attend_latent(q_abs)`: the attended latent (default: the backend's MLA over the pool)."""
         w_uk, w_uv = self.kv_b_proj.weight.view(self.heads, -1, self.rank).split([self.nope, self.v_dim], 1)
         q_latent = torch.einsum("nhd,hdr->nhr", q_nope, w_uk)
         q_abs = torch.cat([q_latent, q_pe], dim=-1)
-        out_latent = self.backend.mla(q_abs, pool.layers[self.layer_id][0], meta, self.scale, self.rank)
+        if attend_latent is None:
+            out_latent = self.backend.mla(q_abs, pool.layers[self.layer_id][0], meta, self.scale, self.rank)
+        else:
+            out_latent = attend_latent(q_abs)
         return torch.einsum("nhr,hvr->nhv", out_latent, w_uv)
 
     def _multi_head(
@@ -199,6 +236,8 @@ class MLAAttention(nn.Module):
             ]
         else:
             q = [Weight(f"{prefix}.q_proj.weight", self.q_proj.weight, 0, r)]
+        if self.indexer is not None:
+            q += self.indexer.weights(f"{prefix}.indexer")
         return [
             *q,
             Weight(f"{prefix}.kv_a_proj_with_mqa.weight", self.kv_a_proj_with_mqa.weight),
@@ -214,14 +253,25 @@ def build_deepseek_layers(
     """The decoder layers' (attention, MLP) pairs; with NEXTN the MTP layer's pair last (model layer
     `num_layers`, whose KV lives in a pool of its own: KV layer 0)."""
     hf = cfg.hf
-    interleaved = getattr(hf, "rope_interleave", True)
+    interleaved = getattr(hf, "rope_interleave", None) is not False  # DeepSeek's default: interleaved
     rope = dict(hf.rope_parameters or {})
     rotary = RotaryEmbedding(hf.qk_rope_head_dim, cfg.context_len, rope, interleaved)
+    # V3.2's indexer rotates its first rope dims by the same angles, as halves.
+    index_rotary = RotaryEmbedding(hf.qk_rope_head_dim, cfg.context_len, rope, interleaved=False)
+    sparse = cfg.declaration.sparse_attention
     mtp, topo = options.speculative_algorithm == "NEXTN", groups.topo
     kv_layers = [*range(cfg.num_layers), *([0] if mtp else [])]  # the MTP layer: KV layer 0 of its pool
     return [
         (
-            MLAAttention(cfg, topo, kv, backend, rotary, options.mla_prefill),
+            MLAAttention(
+                cfg,
+                topo,
+                kv,
+                backend,
+                rotary,
+                options.mla_prefill,
+                Indexer(hf, cfg.hidden_size, index_rotary) if sparse else None,
+            ),
             build_mlp(cfg, groups, options, i),
         )
         for i, kv in enumerate(kv_layers)

@@ -64,11 +64,12 @@ class Family:
     attention_bias: str = ""
     sinks: bool = False  # a learned logit per head in the softmax's denominator (gpt-oss)
     quantizations: tuple[str, ...] = ()  # quant_methods dequantized at load (gpt-oss: mxfp4 experts)
+    sparse_attention: bool = False  # DeepSeek-V3.2: an indexer picks the keys MLA attends to
     config_as: str = ""  # read as this model_type (its own config code is never run)
 
 
 def deepseek_moe(hf: PretrainedConfig) -> MoESpec | None:
-    v3 = hf.model_type == "deepseek_v3"  # V3 routes by sigmoid with a correction bias unless told
+    v3 = hf.model_type in ("deepseek_v3", "deepseek_v32")  # sigmoid with a correction bias unless told
     scoring = getattr(hf, "scoring_func", None) or ("sigmoid" if v3 else "softmax")
     method = getattr(hf, "topk_method", None) or ("noaux_tc" if v3 else "greedy")
     # DeepSeek-V2 renormalises only when it keeps more than one expert.
@@ -139,6 +140,7 @@ def gpt_oss_moe(hf: PretrainedConfig) -> MoESpec:
 FAMILIES: dict[str, Family] = {
     "deepseek_v2": Family(("DeepseekV2ForCausalLM",), "mla", deepseek_moe),
     "deepseek_v3": Family(("DeepseekV3ForCausalLM",), "mla", deepseek_moe),
+    "deepseek_v32": Family(("DeepseekV32ForCausalLM",), "mla", deepseek_moe, sparse_attention=True),
     # Kimi-K2: DeepSeek-V3's architecture under its own config, which transformers reads only by
     # running the checkpoint's code: read here as DeepSeek-V3's.
     "kimi_k2": Family(("DeepseekV3ForCausalLM",), "mla", deepseek_moe, config_as="deepseek_v3"),

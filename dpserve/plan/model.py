@@ -16,6 +16,7 @@ BUNDLED = (
     "deepseek-v2-lite",
     "deepseek-v2",
     "deepseek-v3",
+    "deepseek-v3.2",
     "deepseek-coder-v2-lite",
     "kimi-k2",
     "qwen3-30b-a3b",

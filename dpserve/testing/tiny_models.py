@@ -29,6 +29,8 @@ from transformers import (
     DeepseekV2ForCausalLM,
     DeepseekV3Config,
     DeepseekV3ForCausalLM,
+    DeepseekV32Config,
+    DeepseekV32ForCausalLM,
     GenerationConfig,
     Glm4MoeConfig,
     Glm4MoeForCausalLM,
@@ -236,6 +238,15 @@ _GPT_OSS = dict(
         "rope_theta": 150000.0,
     },
 )
+# DeepSeek-V3.2: V3 with the lightning indexer; index_topk 8, so prompts of a few dozen tokens are
+# sparse; 16 indexer heads, so that no two keys tie on the index score (a sum of relus).
+_DEEPSEEK_V32 = {
+    k: v for k, v in _DEEPSEEK_V3.items() if k not in ("rope_interleave", "num_mtp_layers")
+} | dict(
+    index_topk=8,
+    index_n_heads=16,
+    index_head_dim=32,
+)
 # Kimi-K2: DeepSeek-V3's architecture, one expert group (no group limit), its own scaling factor;
 # written as DeepSeek-V3 weights under Kimi's config.json (model_type kimi_k2, code in auto_map).
 _KIMI_K2 = _DEEPSEEK_V3 | dict(n_group=1, topk_group=1, routed_scaling_factor=2.827, n_routed_experts=16)
@@ -248,6 +259,7 @@ _SPECS: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel], dict[str,
     "deepseek_v2": (DeepseekV2Config, DeepseekV2ForCausalLM, _DEEPSEEK_V2),
     "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM, _DEEPSEEK_V3),
     "kimi_k2": (DeepseekV3Config, DeepseekV3ForCausalLM, _KIMI_K2),
+    "deepseek_v32": (DeepseekV32Config, DeepseekV32ForCausalLM, _DEEPSEEK_V32),
     "llama": (LlamaConfig, LlamaForCausalLM, _LLAMA),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, _QWEN3),
     "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, _QWEN3_MOE),

@@ -1,0 +1,66 @@
+"""DeepSeek-V3.2's sparse attention (dpserve/models/dsa.py) on a tiny random deepseek_v32 checkpoint
+whose index_topk (8) is shorter than the prompts, so that prefill and decode both attend to the
+indexer's choice (its greedy parity in every layout: test_families.py): the indexer's key cache
+lives in the pool beside the latent, counted with it, chunked, prefix-cached and retracted with it."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import GREEDY, KV_BUDGET_GB, SMALL_POOL, assert_matches_reference
+
+from dpserve.models.config import ModelConfig
+from dpserve.testing.reference import hf_greedy_reference
+
+
+@pytest.fixture(scope="module")
+def v32(model_dirs) -> str:
+    return model_dirs["deepseek_v32"]
+
+
+@pytest.fixture(scope="module")
+def v32_refs(v32, prompts):
+    return hf_greedy_reference(v32, prompts, GREEDY["max_new_tokens"])
+
+
+def test_prompts_are_sparse(v32, prompts):
+    cfg = ModelConfig.load(v32)
+    assert (cfg.family, cfg.declaration.sparse_attention, cfg.hf.index_topk) == ("deepseek_v32", True, 8)
+    assert sum(len(p) > cfg.hf.index_topk for p in prompts) >= len(prompts) - 1
+
+
+def test_indexer_keys_are_counted_with_the_latent(engine_cache, v32):
+    """Per token and layer the pool holds the latent (kv_lora_rank + rope) and the indexer key,
+    float32, at the same slot (the engine test_families.py checks at (2,2) against transformers)."""
+    info = engine_cache.info(
+        v32,
+        tp_size=2,
+        dp_size=2,
+        enable_dp_attention=True,
+        ep_size=1,
+        moe_a2a_backend="none",
+        kv_cache_memory_gb=KV_BUDGET_GB,
+    )
+    hf = ModelConfig.load(v32).hf
+    per_token = hf.num_hidden_layers * (hf.kv_lora_rank + hf.qk_rope_head_dim + hf.index_head_dim) * 4
+    assert {r["kv_bytes_per_token"] for r in info["dp_ranks"]} == {per_token}
+
+
+def test_chunks_prefix_hits_and_retraction(engine_cache, v32, v32_refs, prompts):
+    """Chunks of 8 tokens per group (each chunk's queries see the earlier chunks' keys through the
+    indexer), every prompt twice side by side (prefix-cache hits: cached indexer keys), a pool small
+    enough to retract: the same tokens."""
+    engine = engine_cache.get(
+        v32,
+        tp_size=2,
+        dp_size=2,
+        enable_dp_attention=True,
+        chunked_prefill_size=16,
+        max_total_tokens=SMALL_POOL,
+        load_balance_method="round_robin",
+    )
+    before = sum(m["retractions"] for m in engine.get_metrics())
+    outs = engine.generate(input_ids=prompts * 2, sampling_params=GREEDY, return_logprob=True)
+    for k in range(2):
+        assert_matches_reference(outs[k * len(prompts) : (k + 1) * len(prompts)], v32_refs)
+    assert sum(m["retractions"] for m in engine.get_metrics()) > before
+    assert sum(o["meta_info"]["cached_tokens"] for o in outs) > 0
