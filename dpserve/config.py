@@ -226,7 +226,7 @@ class EngineConfig:
     )
     speculative_algorithm: str | None = option(
         None,
-        "NEXTN: the checkpoint's MTP layer (DeepSeek-V3/R1, GLM-4.5) drafts a chain of "
+        "NEXTN: the checkpoint's MTP layer (DeepSeek-V3/R1/V3.2, GLM-4.5) drafts a chain of "
         "--speculative-num-steps tokens after every step; NGRAM: each decoding request proposes the "
         "tokens that followed the latest earlier occurrence of its last tokens (prompt lookup, no "
         "draft model). The model verifies the drafts in one step and keeps the longest prefix it "

@@ -144,6 +144,18 @@ def test_nextn_drafts_are_the_mtp_layers(engine_cache, trained, nextn_prompts, s
     assert accept_length(sampled) > 1.2
 
 
+def test_nextn_on_deepseek_v32(engine_cache, model_dirs, prompts, tmp_path_factory):
+    """V3.2's MTP layer drafts with its own indexer over the MTP pool's keys (sparse: the prompts pass
+    index_topk), under DP attention: transformers' greedy tokens, and each request verifies exactly as
+    many steps as the pure-torch MTP reference's chains allow."""
+    path = str(write_tiny_model("deepseek_v32_mtp", tmp_path_factory.mktemp("v32_mtp") / "v32"))
+    engine = nextn_engine(engine_cache, path, 2, 2, 2)
+    outputs = engine.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True)
+    assert_matches_reference(outputs, hf_greedy_reference(path, prompts, NEW_TOKENS))
+    expected = [reference_verify_steps(path, p, NEW_TOKENS, 2) for p in prompts]
+    assert [o["meta_info"]["spec_verify_ct"] for o in outputs] == expected
+
+
 def test_nextn_with_retraction(engine_cache, trained, nextn_prompts, nextn_refs):
     """A pool several times too small: requests are retracted and resumed (prefilled again, their MTP KV
     rebuilt) while others verify drafts; every output stays the reference's."""

@@ -141,7 +141,7 @@ class ModelConfig:
             raise ValueError(
                 f"speculative_algorithm NEXTN drafts with the checkpoint's MTP layer, but {self.path} ({self.arch}) "
                 f"has num_nextn_predict_layers={self.num_mtp_layers}; use a checkpoint with its MTP weights "
-                "(DeepSeek-V3/R1, GLM-4.5), or speculative_algorithm NGRAM"
+                "(DeepSeek-V3/R1/V3.2, GLM-4.5), or speculative_algorithm NGRAM"
             )
         name = f"model.layers.{self.num_layers}.eh_proj.weight"
         if name not in CheckpointReader(self.path).file_of:

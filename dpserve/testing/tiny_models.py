@@ -15,6 +15,7 @@ ignores them (it logs them as unexpected keys) and loads the main model unchange
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 from pathlib import Path
 from typing import Any
@@ -267,10 +268,11 @@ _SPECS: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel], dict[str,
     "gpt_oss": (GptOssConfig, GptOssForCausalLM, _GPT_OSS),
     "deepseek_v2_mid": (DeepseekV2Config, DeepseekV2ForCausalLM, _DEEPSEEK_V2_MID),
 }
-MTP_ARCHS = {
+MTP_ARCHS = {  # arch keys that are another arch plus an MTP layer
     "deepseek_v3_mtp": "deepseek_v3",
     "glm4_moe_mtp": "glm4_moe",
-}  # arch keys that are another arch plus an MTP layer
+    "deepseek_v32_mtp": "deepseek_v32",
+}
 ARCHS: tuple[str, ...] = (*_SPECS, *MTP_ARCHS)
 
 
@@ -280,8 +282,9 @@ def write_tiny_model(
     """Write a tiny random float32 checkpoint (config, safetensors, tokenizer) and return its directory.
 
     ``shard_size`` is passed to ``save_pretrained`` as ``max_shard_size`` (e.g. ``"20KB"``) to get a
-    sharded checkpoint with ``model.safetensors.index.json``. ``mtp=True`` (DeepSeek-V3 and GLM-4.5;
-    implied by the arch keys of MTP_ARCHS) adds one randomly initialized MTP layer, see :func:`add_mtp_layer`.
+    sharded checkpoint with ``model.safetensors.index.json``. ``mtp=True`` (DeepSeek-V3, V3.2 and
+    GLM-4.5; implied by the arch keys of MTP_ARCHS) adds one randomly initialized MTP layer, see
+    :func:`add_mtp_layer`.
     """
     if arch in MTP_ARCHS:
         arch, mtp = MTP_ARCHS[arch], True
@@ -382,6 +385,10 @@ class MtpLayer(torch.nn.Module):
         )
 
         layer_cls, norm_cls = layer_cls or DeepseekV3DecoderLayer, norm_cls or DeepseekV3RMSNorm
+        if len(getattr(config, "mlp_layer_types", None) or ()) == config.num_hidden_layers:
+            # V3.2's config lists each layer's MLP kind: the MTP layer's is MoE.
+            config = copy.deepcopy(config)
+            config.mlp_layer_types = [*config.mlp_layer_types, "sparse"]
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.enorm = norm_cls(hidden, eps=eps)
         self.hnorm = norm_cls(hidden, eps=eps)
