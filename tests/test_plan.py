@@ -22,6 +22,7 @@ from dpserve.plan.__main__ import dry_run
 from dpserve.plan.__main__ import main as plan_main
 from dpserve.plan.layouts import Layout, layout_memory
 from dpserve.plan.model import load
+from dpserve.plan.planner import StepModel
 from dpserve.plan.report import SCHEMA, _ranges
 
 SMOLLM2 = "smollm2-135m-instruct"
@@ -356,3 +357,21 @@ def test_dry_run_of_an_impossible_layout(capsys):
     ok = EngineConfig(model_path="deepseek-v2-lite", tp_size=8, dp_size=8, enable_dp_attention=True)
     assert dry_run(ok, "h100") == 0
     assert "tp8 dp8 dp-attn" in capsys.readouterr().out
+
+
+def test_sparse_attention_shortens_long_context_decode_steps():
+    """DeepSeek-V3.2 against V3 on the same layout: about the same step at 8k tokens of context
+    (the indexer's cost beside 2,048 chosen keys), shorter at 128k (MLA reads index_topk keys, not
+    all); its indexer keys make each token's KV 22% larger."""
+    prof = profiles.get_profile("h200")
+    steps, kv = {}, {}
+    for name in ("deepseek-v3", "deepseek-v3.2"):
+        path, cfg = load(name)
+        kwargs = {"nnodes": 2, "dist_init_addr": "node0:29500"}
+        mem = layout_memory(Layout(16, 8, True), path, cfg, "cuda", prof.memory_bytes, kwargs)
+        model = StepModel(mem, cfg, prof, 2, "engine")
+        steps[name] = [model.decode(64, ctx).seconds for ctx in (8192, 131072)]
+        kv[name] = mem.kv_bytes_per_token
+    assert abs(steps["deepseek-v3.2"][0] / steps["deepseek-v3"][0] - 1) < 0.05
+    assert steps["deepseek-v3.2"][1] < 0.8 * steps["deepseek-v3"][1]
+    assert kv["deepseek-v3.2"] / kv["deepseek-v3"] == (512 + 64 + 128) / (512 + 64)

@@ -147,7 +147,16 @@ class StepModel:
         kv_rows = local_rows if p.is_cpu else real_local  # the sdpa grid gathers max_seq_len for every row
         kv_factor = 3 if p.is_cpu else 1  # sdpa: gather (read + write) then attend
         kv_bytes = kv_rows * ctx * self.mem.kv_bytes_per_token * kv_factor
-        if m.is_mla:
+        if m.is_mla and m.declaration.sparse_attention:
+            # V3.2: the indexer reads every key of its own (index_head_dim per token and layer) and
+            # scores it with each of its heads; MLA reads and attends to the index_topk chosen only.
+            chosen = min(ctx, hf.index_topk)
+            index_share = hf.index_head_dim / (hf.index_head_dim + hf.kv_lora_rank + hf.qk_rope_head_dim)
+            per_token = self.mem.kv_bytes_per_token * kv_factor
+            kv_bytes = kv_rows * per_token * (ctx * index_share + chosen * (1 - index_share))
+            core = 2 * heads * chosen * (2 * (hf.kv_lora_rank + hf.qk_rope_head_dim)) * L
+            core += 2 * hf.index_n_heads * ctx * hf.index_head_dim * L
+        elif m.is_mla:
             core = 2 * heads * ctx * (2 * (hf.kv_lora_rank + hf.qk_rope_head_dim)) * L
         else:
             hd = getattr(hf, "head_dim", None) or H // m.num_heads
