@@ -161,8 +161,10 @@ def _rank(rank: int, world: int, port: int, model_path: str, variants: list[dict
         results[(rank, "error")] = traceback.format_exc()
 
 
+# A variant's "arch" runs that tiny model in place of DeepSeek-V2 (V3.2: its indexer and sparse MLA,
+# the contexts past its index_topk of 8).
 LAYOUTS = [
-    (1, [{}]),
+    (1, [{}, {"arch": "deepseek_v32"}]),
     (
         2,
         [
@@ -178,6 +180,11 @@ LAYOUTS = [
 def test_captured_steps_are_sync_free(model_dirs, world, variants):
     with mp.Manager() as manager:
         results = manager.dict()
+        variants = [
+            {k: v for k, v in variant.items() if k != "arch"}
+            | ({"model_path": model_dirs[variant["arch"]]} if "arch" in variant else {})
+            for variant in variants
+        ]
         args = (world, free_port(), model_dirs["deepseek_v2"], variants, results)
         mp.start_processes(_rank, args=args, nprocs=world, start_method="spawn")
         results = dict(results)
