@@ -64,3 +64,14 @@ def test_chunks_prefix_hits_and_retraction(engine_cache, v32, v32_refs, prompts)
         assert_matches_reference(outs[k * len(prompts) : (k + 1) * len(prompts)], v32_refs)
     assert sum(m["retractions"] for m in engine.get_metrics()) > before
     assert sum(o["meta_info"]["cached_tokens"] for o in outs) > 0
+
+
+def test_sparse_mla_on_the_paged_kernels(engine_cache, v32, v32_refs, prompts):
+    """The selection runs through the backend's own MLA as one-query requests: the GPU's Triton
+    decode kernel (in the interpreter here) over only the chosen slots, prefill and decode alike
+    (three prompts: the interpreter is slow)."""
+    engine = engine_cache.get(
+        v32, attention_backend="triton", dp_padding_mode="sum_len", kv_cache_memory_gb=KV_BUDGET_GB
+    )
+    outs = engine.generate(input_ids=prompts[:3], sampling_params=GREEDY, return_logprob=True)
+    assert_matches_reference(outs, v32_refs[:3])

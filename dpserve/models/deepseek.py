@@ -19,7 +19,7 @@ from dpserve.layers.rotary import RotaryEmbedding, yarn_softmax_scale
 from dpserve.models.base import build_mlp
 from dpserve.models.batch import ForwardBatch
 from dpserve.models.config import ModelConfig
-from dpserve.models.dsa import Indexer, sparse_mla
+from dpserve.models.dsa import Indexer, sparse_metadata
 from dpserve.models.loader import Weight
 
 LORA_NORM_EPS = 1e-6  # DeepSeek's q_a/kv_a layernorms use the default epsilon
@@ -122,16 +122,16 @@ class MLAAttention(nn.Module):
     def attend_sparse(self, x, q_latent, q_nope, q_pe, kv, batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
         """DeepSeek-V3.2: caches the latent and the indexer key; while every request of the step fits
         in index_topk tokens all keys are selected, the dense forms' result; past it, each query
-        attends to the keys the indexer picks, in the absorbed form."""
+        attends to the keys the indexer picks, in the absorbed form, by the backend's own MLA (the
+        paged kernels on a GPU) over the selection as a batch of one-query requests."""
         pool.write(self.layer_id, batch.out_slots, kv, self.indexer.key(x, batch.positions))
         meta = batch.attn
         if meta.max_seq_len <= self.indexer.topk:
             return self.attend(q_nope, q_pe, kv, batch, pool, written=True)
-        latents, keys = pool.layers[self.layer_id]
-        slots, real = self.indexer.select(x, q_latent, batch.positions, keys, meta)
-        return self._absorbed(
-            q_nope, q_pe, pool, meta, lambda q: sparse_mla(q, latents, slots, real, self.scale, self.rank)
-        )
+        slots, real = self.indexer.select(x, q_latent, batch.positions, pool.layers[self.layer_id][1], meta)
+        sparse = sparse_metadata(slots, real)
+        self.backend.prepare(sparse)
+        return self._absorbed(q_nope, q_pe, pool, sparse)
 
     def attend(
         self,

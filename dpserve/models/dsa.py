@@ -104,17 +104,19 @@ def sparse_layout(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, 
     return meta.state["dsa"]
 
 
-def sparse_mla(
-    q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, real: torch.Tensor, scale: float, rank: int
-) -> torch.Tensor:
-    """Absorbed MLA of each query q [tokens, heads, rank + rope] over its selected keys only
-    (`slots` [tokens, k] of the latent cache, `real` [tokens, k]): the attended latent [tokens,
-    heads, rank]."""
-    out = q.new_empty((*q.shape[:2], rank))
-    for lo in range(0, q.shape[0], CHUNK_TOKENS):
-        rows = slice(lo, lo + CHUNK_TOKENS)
-        latents = cache[slots[rows]]  # [chunk, k, rank + rope]
-        scores = torch.einsum("thd,tkd->thk", q[rows], latents).float().mul_(scale)
-        probs = scores.masked_fill_(~real[rows, None, :], float("-inf")).softmax(-1)
-        out[rows] = torch.einsum("thk,tkr->thr", probs.to(latents.dtype), latents[..., :rank])
-    return out
+def sparse_metadata(slots: torch.Tensor, real: torch.Tensor) -> AttentionMetadata:
+    """The selected keys as attention metadata any backend runs (the paged kernels on a GPU): each
+    query its own one-token request whose table row is its `slots` [tokens, k], the real ones first
+    (top-k returns them in descending score, -inf last), and whose length counts them."""
+    n, k = slots.shape
+    dev = slots.device
+    steps = torch.arange(n + 1, dtype=torch.int32, device=dev)
+    return AttentionMetadata(
+        req_to_token=slots.int(),
+        req_idx=steps[:-1],
+        seq_lens=real.sum(-1, dtype=torch.int32),
+        q_start=steps,
+        num_tokens=n,
+        max_q_len=1,
+        max_seq_len=k,
+    )
