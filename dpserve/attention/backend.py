@@ -35,6 +35,15 @@ class AttentionMetadata:
     def batch_size(self) -> int:
         return self.req_idx.shape[0]
 
+    def token_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(each new token's request, its index among that request's new tokens), on the device."""
+        dev = self.req_idx.device
+        q_lens = self.q_start[1:] - self.q_start[:-1]
+        token_req = torch.repeat_interleave(
+            torch.arange(self.batch_size, device=dev), q_lens, output_size=self.num_tokens
+        )
+        return token_req, torch.arange(self.num_tokens, device=dev) - self.q_start[token_req]
+
     def select(self, reqs: list[int]) -> tuple[AttentionMetadata, torch.Tensor]:
         """The metadata of requests `reqs` alone, and the rows of their tokens among this batch's."""
         q_lens, seq_lens = self.q_lens_host, self.seq_lens_host

@@ -22,9 +22,7 @@ class SdpaBackend(AttentionBackend):
     def prepare(self, meta: AttentionMetadata) -> None:
         dev = meta.req_idx.device
         q_lens = meta.q_start[1:] - meta.q_start[:-1]
-        token_req = torch.repeat_interleave(
-            torch.arange(meta.batch_size, device=dev), q_lens, output_size=meta.num_tokens
-        )
+        token_req, token_col = meta.token_rows()
         prefix = (meta.seq_lens - q_lens)[:, None, None]
         q_pos = torch.arange(meta.max_q_len, device=dev)[None, :, None] + prefix
         k_pos = torch.arange(meta.max_seq_len, device=dev)[None, None, :]
@@ -33,7 +31,7 @@ class SdpaBackend(AttentionBackend):
             mask=((k_pos <= q_pos) & (k_pos < meta.seq_lens[:, None, None])).unsqueeze(1),
             behind=(q_pos - k_pos).unsqueeze(1),  # how far each key is behind each query
             token_req=token_req,
-            token_col=torch.arange(token_req.shape[0], device=dev) - meta.q_start[token_req],
+            token_col=token_col,
         )
 
     def mla(self, q, cache, meta, scale, v_dim):
@@ -80,6 +78,11 @@ def attend_with_sinks(
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale).masked_fill_(~mask, float("-inf"))
-    sink = sinks.float()[None, :, None, None].expand(*scores.shape[:-1], 1)
-    probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
-    return torch.matmul(probs.to(v.dtype), v)
+    return torch.matmul(softmax_with_sinks(scores, sinks[:, None, None]).to(v.dtype), v)
+
+
+def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """softmax over the last dim of float32 `scores` with one more logit, `sinks` (broadcast to
+    scores[..., :1]), that takes no value: its share is dropped, so rows sum to less than 1."""
+    sink = sinks.float().expand(*scores.shape[:-1], 1)
+    return torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]

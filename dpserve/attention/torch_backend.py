@@ -20,7 +20,7 @@ import torch
 
 from dpserve import cpu_ops
 from dpserve.attention.backend import AttentionMetadata
-from dpserve.attention.sdpa import SdpaBackend
+from dpserve.attention.sdpa import SdpaBackend, softmax_with_sinks
 
 
 class TorchBackend(SdpaBackend):
@@ -119,14 +119,12 @@ class _Keys:
         runs the fused CPU kernel where it is built (no gathered copy of the keys; not for sliding
         windows or sinks); MLA's many heads on one latent are a matrix product, faster on oneDNN's
         kernels from batch 16 on (measured)."""
-        if window or sinks is not None:
-            return self.matmuls(q, k_cache, v_cache, v_dim, scale, window, sinks)
-        if v_cache is not None and cpu_ops.usable(q):
+        if v_cache is not None and not window and sinks is None and cpu_ops.usable(q):
             m = self.meta
             return torch.ops.dpserve_cpu.decode_attention(
                 q, k_cache, v_cache, m.req_to_token, m.req_idx, m.seq_lens, scale, v_dim
             )
-        return self.matmuls(q, k_cache, v_cache, v_dim, scale)
+        return self.matmuls(q, k_cache, v_cache, v_dim, scale, window, sinks)
 
     def matmuls(
         self,
@@ -151,11 +149,7 @@ class _Keys:
             scores.masked_fill_(
                 (cols[None, :] < self.meta.seq_lens[:, None] - window)[:, None, :], float("-inf")
             )
-        if sinks is not None:
-            sink = sinks.float()[None, :, None].expand(n, -1, 1)
-            probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
-        else:
-            probs = scores.softmax(-1)
+        probs = scores.softmax(-1) if sinks is None else softmax_with_sinks(scores, sinks[:, None])
         probs = probs.to(q.dtype).reshape(pairs, heads // kv_heads, -1)
         if v_cache is None:  # all the latent's columns: faster than a matmul on a strided slice
             return torch.bmm(probs, k)[..., :v_dim].reshape(n, heads, v_dim)

@@ -92,12 +92,8 @@ def sparse_layout(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, 
     """(each request's slot table [batch, max_seq_len], each token's request, each token's position),
     derived once per forward and shared by the layers."""
     if "dsa" not in meta.state:
-        dev = meta.req_idx.device
         q_lens = meta.q_start[1:] - meta.q_start[:-1]
-        token_req = torch.repeat_interleave(
-            torch.arange(meta.batch_size, device=dev), q_lens, output_size=meta.num_tokens
-        )
-        col = torch.arange(meta.num_tokens, device=dev) - meta.q_start[token_req]
+        token_req, col = meta.token_rows()
         q_pos = (meta.seq_lens - q_lens)[token_req] + col
         table = meta.req_to_token[meta.req_idx, : meta.max_seq_len].long()
         meta.state["dsa"] = (table, token_req, q_pos)

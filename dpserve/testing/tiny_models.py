@@ -359,9 +359,7 @@ def _randomize_norms_and_biases(state: dict[str, torch.Tensor], generator: torch
     for name, tensor in state.items():  # detached views of the parameters and buffers
         if name.endswith("norm.weight"):
             tensor.copy_(1.0 + NORM_WEIGHT_STD * torch.randn(tensor.shape, generator=generator))
-        elif name.endswith("e_score_correction_bias") or name.endswith(
-            "proj.bias"
-        ):  # non-zero: loading matters
+        elif name.endswith((".bias", "_bias", "sinks")):  # non-zero, so that loading them matters
             tensor.copy_(0.1 * torch.randn(tensor.shape, generator=generator))
 
 
