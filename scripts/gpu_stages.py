@@ -6,6 +6,7 @@ that the script cannot rot between GPU runs. A stage returns its figures (one li
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 import subprocess
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 KV_TOKENS = 8192  # every engine's KV pool: enough for the stage, nothing like the whole GPU
@@ -174,7 +176,7 @@ def kernels(scale: Scale) -> str:
     """Triton attention (MLA 512+64 at every heads-per-latent of the DeepSeek family, GQA, gpt-oss's
     windows and sinks; decode and extend) and the fused MoE (per-rank expert shapes of V3) against the torch paths."""
     from dpserve.layers.fused_moe import fused_experts
-    from dpserve.layers.mlp import experts_loop
+    from dpserve.layers.mlp import experts_loop, swiglu_clamped
 
     torch.manual_seed(0)
     dev, failures, figures = scale.device, [], []
@@ -202,6 +204,18 @@ def kernels(scale: Scale) -> str:
         expect(err < scale.tol, failures, f"fused MoE {label} error {err:.2e}")
         figures.append(f"MoE {label} {experts}x{inter}: {err:.1e}")
         log(figures[-1])
+    # gpt-oss's experts: biases on both products and the clamped SwiGLU, on the last shapes.
+    b13 = torch.randn(experts, 2 * inter, device=dev, dtype=x.dtype)
+    b2 = torch.randn(experts, hidden, device=dev, dtype=x.dtype)
+    act = functools.partial(swiglu_clamped, alpha=1.702, limit=7.0)
+    ref = experts_loop(
+        x.float(), w13.float(), w2.float(), weights, ids, F.linear, act, b13.float(), b2.float()
+    )
+    got = fused_experts(x, w13, w2, weights, ids, b13=b13, b2=b2, clamp=(1.702, 7.0))
+    err = ((got.float() - ref).abs().max() / ref.abs().max()).item()
+    expect(err < scale.tol, failures, f"fused MoE with biases and clamped SwiGLU error {err:.2e}")
+    figures.append(f"MoE gpt-oss biases + clamped SwiGLU: {err:.1e}")
+    log(figures[-1])
     return finish(failures, figures)
 
 
