@@ -172,9 +172,34 @@ def attention_error(kind: str, meta, slots: int, scale: Scale) -> float:
     return (outs[0] - outs[1]).abs().max().item()
 
 
+def index_error(meta, slots: int, scale: Scale) -> float:
+    """DeepSeek-V3.2's indexer scores (64 heads of 128), Triton against torch, relative to the largest
+    score, over 256 queries at a time (the torch path gathers every key per query); the -inf pattern
+    (causal, lengths) must be equal."""
+    from dpserve.attention.sdpa import SdpaBackend
+    from dpserve.attention.triton_backend import TritonBackend
+    from dpserve.models.dsa import sparse_layout
+
+    dev = scale.device
+    table, token_req, q_pos = sparse_layout(meta)
+    q = torch.randn(meta.num_tokens, 64, 128, device=dev)
+    weights = torch.randn(meta.num_tokens, 64, device=dev) / 8
+    keys = torch.randn(slots, 128, device=dev, dtype=scale.kernel_dtype)
+    worst = 0.0
+    for lo in range(0, meta.num_tokens, 256):
+        rows = slice(lo, lo + 256)
+        args = (q[rows], weights[rows], keys, table, token_req[rows], q_pos[rows], meta.seq_lens, 128**-0.5)
+        ref, got = SdpaBackend().index_scores(*args), TritonBackend().index_scores(*args)
+        if not torch.equal(torch.isinf(ref), torch.isinf(got)):
+            return float("inf")
+        finite = torch.isfinite(ref)
+        worst = max(worst, ((got - ref)[finite].abs().max() / ref[finite].abs().max()).item())
+    return worst
+
+
 def kernels(scale: Scale) -> str:
     """Triton attention (MLA 512+64 at every heads-per-latent of the DeepSeek family, GQA, gpt-oss's
-    windows and sinks; decode and extend) and the fused MoE (per-rank expert shapes of V3) against the torch paths."""
+    windows and sinks; decode and extend), DeepSeek-V3.2's indexer scores, and the fused MoE (per-rank expert shapes of V3) against the torch paths."""
     from dpserve.layers.fused_moe import fused_experts
     from dpserve.layers.mlp import experts_loop, swiglu_clamped
 
@@ -189,6 +214,10 @@ def kernels(scale: Scale) -> str:
         worst = max(errors.values())
         expect(worst < scale.tol, failures, f"{step} attention error {worst:.2e}")
         figures.append(f"{step} " + " ".join(f"{k}:{e:.1e}" for k, e in errors.items()))
+        log(figures[-1])
+        err = index_error(meta, slots, scale)
+        expect(err < scale.tol, failures, f"{step} V3.2 indexer error {err:.2e}")
+        figures.append(f"{step} V3.2 indexer: {err:.1e}")
         log(figures[-1])
     hidden, rows, top_k = scale.hidden, scale.moe_rows, 8
     for label, experts, inter in scale.moe:

@@ -6,8 +6,11 @@ lives in the pool beside the latent, counted with it, chunked, prefix-cached and
 from __future__ import annotations
 
 import pytest
+import torch
 from conftest import GREEDY, KV_BUDGET_GB, SMALL_POOL, assert_matches_reference
 
+from dpserve.attention.sdpa import SdpaBackend
+from dpserve.attention.triton_backend import TritonBackend
 from dpserve.models.config import ModelConfig
 from dpserve.testing.reference import hf_greedy_reference
 
@@ -75,3 +78,32 @@ def test_sparse_mla_on_the_paged_kernels(engine_cache, v32, v32_refs, prompts):
     )
     outs = engine.generate(input_ids=prompts[:3], sampling_params=GREEDY, return_logprob=True)
     assert_matches_reference(outs, v32_refs[:3])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_index_kernel_equals_the_torch_path(dtype):
+    """The Triton indexer scores (in the interpreter) against the torch path on shuffled pool slots:
+    prefill and decode queries, a chunk after a prefix, a padded one-token row, heads and dims that
+    are not powers of two, a table wider than any request; -inf exactly where the query may not look."""
+    g = torch.Generator().manual_seed(0)
+    seq_lens, q_lens, width, heads, dim = [70, 5, 33, 1], [70, 1, 9, 1], 96, 6, 40
+    slots = torch.randperm(sum(seq_lens), generator=g) + 1
+    table = torch.zeros(len(seq_lens), width, dtype=torch.long)
+    used = 0
+    for b, n in enumerate(seq_lens):
+        table[b, :n] = slots[used : used + n]
+        used += n
+    token_req = torch.repeat_interleave(torch.arange(len(seq_lens)), torch.tensor(q_lens))
+    q_pos = torch.cat([torch.arange(s - q, s) for s, q in zip(seq_lens, q_lens, strict=True)])
+    n = len(q_pos)
+    q = torch.randn(n, heads, dim, generator=g)
+    weights = torch.randn(n, heads, generator=g)
+    keys = torch.randn(sum(seq_lens) + 1, dim, generator=g).to(dtype)
+    args = (q, weights, keys, table, token_req, q_pos, torch.tensor(seq_lens, dtype=torch.int32), dim**-0.5)
+    ref = SdpaBackend().index_scores(*args)
+    got = TritonBackend().index_scores(*args)
+    assert torch.equal(torch.isinf(got), torch.isinf(ref))
+    assert int(torch.isfinite(ref).sum()) == sum(
+        s - q + i + 1 for s, q in zip(seq_lens, q_lens, strict=True) for i in range(q)
+    )
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)

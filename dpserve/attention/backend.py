@@ -98,3 +98,26 @@ class AttentionBackend(ABC):
         `window` > 0: each query sees only the last `window` positions up to its own (sliding
         window); `sinks` [heads] (float32): a logit per head in the softmax's denominator that
         takes no value (attention sinks)."""
+
+    def index_scores(
+        self,
+        q: torch.Tensor,
+        weights: torch.Tensor,
+        keys: torch.Tensor,
+        table: torch.Tensor,
+        token_req: torch.Tensor,
+        q_pos: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """DeepSeek-V3.2's indexer (models/dsa.py): for query t of request token_req[t] at position
+        q_pos[t], and each position j of that request's `table` row (pool slots), `sum_h weights[t,
+        h] * relu(scale * q[t, h] . keys[slot])`; -inf past the query or the request's length.
+        q [tokens, heads, dim] and weights float32; returns [tokens, table width] float32. Here in
+        torch over a gathered copy of the keys; the Triton backend reads them in place."""
+        cached = keys[table[token_req]].float()  # [tokens, width, dim]
+        scores = torch.einsum("thd,tkd->thk", q, cached).mul_(scale).relu_()
+        index = torch.einsum("th,thk->tk", weights, scores)
+        k_pos = torch.arange(table.shape[1], device=q.device)
+        blocked = (k_pos[None, :] > q_pos[:, None]) | (k_pos[None, :] >= seq_lens[token_req, None])
+        return index.masked_fill_(blocked, float("-inf"))

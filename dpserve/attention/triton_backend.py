@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from dpserve.attention.backend import AttentionBackend, AttentionMetadata
+from dpserve.attention.index_kernel import index_scores
 from dpserve.attention.triton_kernels import decode_attention, extend_attention
 
 
@@ -23,6 +24,9 @@ class TritonBackend(AttentionBackend):
 
     def gqa(self, q, k_cache, v_cache, meta, scale, window=0, sinks=None):
         return self._attend(q, k_cache, v_cache, meta, scale, window, sinks)
+
+    def index_scores(self, q, weights, keys, table, token_req, q_pos, seq_lens, scale):
+        return index_scores(q, weights, keys, table, token_req, q_pos, seq_lens, scale)
 
     def _attend(
         self,

@@ -128,7 +128,9 @@ class MLAAttention(nn.Module):
         meta = batch.attn
         if meta.max_seq_len <= self.indexer.topk:
             return self.attend(q_nope, q_pe, kv, batch, pool, written=True)
-        slots, real = self.indexer.select(x, q_latent, batch.positions, pool.layers[self.layer_id][1], meta)
+        slots, real = self.indexer.select(
+            x, q_latent, batch.positions, pool.layers[self.layer_id][1], meta, self.backend
+        )
         sparse = sparse_metadata(slots, real)
         self.backend.prepare(sparse)
         return self._absorbed(q_nope, q_pe, pool, sparse)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpserve.attention.backend import AttentionMetadata
+from dpserve.attention.backend import AttentionBackend, AttentionMetadata
 from dpserve.layers.linear import Linear
 from dpserve.layers.rotary import RotaryEmbedding
 from dpserve.models.loader import Weight
@@ -54,23 +54,28 @@ class Indexer(nn.Module):
         positions: torch.Tensor,
         keys: torch.Tensor,
         meta: AttentionMetadata,
+        backend: AttentionBackend,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys each query attends to: (their pool slots [tokens, k], which are real [tokens,
-        k]); `keys` is the pool's indexer cache [slots, dim]. k = min(index_topk, max_seq_len)."""
+        k]); `keys` is the pool's indexer cache [slots, dim]; `backend` scores them (a Triton kernel
+        on the GPU). k = min(index_topk, max_seq_len)."""
         n = x.shape[0]
-        q = self.rotary(self.wq_b(q_latent).view(n, self.heads, self.dim), positions).float()
+        q = self.rotary(self.wq_b(q_latent).view(n, self.heads, self.dim), positions).float().contiguous()
         weights = F.linear(x.float(), self.weights_proj) * self.heads**-0.5  # [tokens, heads]
         table, token_req, q_pos = sparse_layout(meta)
-        k_pos = torch.arange(table.shape[1], device=x.device)
-        blocked = (k_pos[None, :] > q_pos[:, None]) | (k_pos[None, :] >= meta.seq_lens[token_req, None])
         k = min(self.topk, table.shape[1])
         slots, real = [], []
         for lo in range(0, n, CHUNK_TOKENS):
             rows = slice(lo, lo + CHUNK_TOKENS)
-            cached = keys[table[token_req[rows]]].float()  # [chunk, max_seq_len, dim]
-            scores = torch.einsum("thd,tkd->thk", q[rows], cached).mul_(self.dim**-0.5).relu_()
-            index = torch.einsum("th,thk->tk", weights[rows], scores).masked_fill_(
-                blocked[rows], float("-inf")
+            index = backend.index_scores(
+                q[rows],
+                weights[rows],
+                keys,
+                table,
+                token_req[rows],
+                q_pos[rows],
+                meta.seq_lens,
+                self.dim**-0.5,
             )
             best, picked = index.topk(k, dim=-1)
             slots.append(table[token_req[rows, None], picked])
