@@ -162,7 +162,7 @@ def test_mxfp4_gpt_oss_greedy_matches_transformers(engine_cache, gpt_oss_mxfp4, 
     assert_matches_reference(outs, hf_greedy_reference(reference, prompts, GREEDY["max_new_tokens"]))
 
 
-@pytest.mark.parametrize("arch", ["gpt_oss", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["gpt_oss", "qwen3_moe", "deepseek_v32"])
 def test_features_compose_with_the_family(engine_cache, model_dirs, family_refs, prompts, arch):
     """Chunked prefill (8 tokens per group), a pool small enough to retract, prefix-cache hits (every
     prompt twice, side by side in one group), NGRAM drafts and the DP LM head, under DP attention
