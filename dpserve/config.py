@@ -164,6 +164,18 @@ class EngineConfig:
         "turn off the radix prefix cache of each DP group (on by default: a prompt's cached "
         "beginning is not prefilled again; unused entries are evicted LRU when memory is short)",
     )
+    swa_full_tokens_ratio: float = option(
+        0.8,
+        "sliding-window models (gpt-oss): KV tokens of each window layer's pool over those of each full "
+        "layer's, as SGLang (0 < ratio <= 1). The window pool holds the windows of the running "
+        "requests and, as a cache, the window KV of cached prefixes; a lower ratio leaves more memory "
+        "to the full layers (more context) and keeps fewer prefixes' windows",
+    )
+    disable_hybrid_swa_memory: bool = option(
+        False,
+        "sliding-window models: every layer keeps the KV of every token, as full layers do, instead of "
+        "window layers keeping only their window's",
+    )
     dp_padding_mode: str = option(
         "auto",
         "how DP groups' decode batches are padded and gathered: sum_len pads the sum of all groups' "
@@ -347,6 +359,8 @@ class EngineConfig:
             raise ValueError(f"grammar_max_whitespace must be >= 0, got {self.grammar_max_whitespace}")
         if not 0 < self.mem_fraction_static <= 1:
             raise ValueError(f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}")
+        if not 0 < self.swa_full_tokens_ratio <= 1:
+            raise ValueError(f"swa_full_tokens_ratio must be in (0, 1], got {self.swa_full_tokens_ratio}")
         if not 0.0 <= self.cache_threshold <= 1.0:
             raise ValueError(f"cache_threshold must be in [0, 1], got {self.cache_threshold}")
         if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1.0:
@@ -441,6 +455,11 @@ class EngineConfig:
     def chunk_per_group(self) -> int:
         """Prompt tokens one DP group prefills per step."""
         return self._per_group(self.chunked_prefill_size, DEFAULT_CHUNK_PER_GROUP)
+
+    def window_floor(self, window: int) -> int:
+        """The fewest window slots a group's hybrid sliding-window pool works with: every running
+        request's last `window` positions and drafts, and one chunk."""
+        return self.running_per_group * (window + self.num_drafts) + self.chunk_per_group
 
     def _per_group(self, value: int | None, default: int) -> int:
         """An instance's budget as SGLang splits it: divided evenly among the groups of DP attention,

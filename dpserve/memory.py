@@ -73,8 +73,57 @@ def kv_pool_tokens(budget_bytes: int, bytes_per_token: int, max_total_tokens: in
     return int(tokens)
 
 
+def pool_token_bytes(
+    kv_layers: int, window_layers: int, entry_shapes: list[tuple[int, ...]], dtype: torch.dtype
+) -> tuple[int, int]:
+    """Bytes one token takes in one rank's pool: (in the full layers, in the hybrid pool's window
+    layers); every layer is a full one without the hybrid pool (`window_layers` 0)."""
+    return (
+        kv_bytes_per_token(kv_layers - window_layers, entry_shapes, dtype),
+        kv_bytes_per_token(window_layers, entry_shapes, dtype),
+    )
+
+
+def pool_tokens(
+    budget_bytes: int,
+    full_bytes: int,
+    window_bytes: int,
+    max_total_tokens: int | None,
+    ratio: float = 0.0,
+    floor: int = 0,
+) -> tuple[int, int]:
+    """(full, window) pool tokens of one rank; `window_bytes` 0: no hybrid pool (window 0)."""
+    if not window_bytes:
+        return kv_pool_tokens(budget_bytes, full_bytes, max_total_tokens), 0
+    return swa_pool_tokens(budget_bytes, full_bytes, window_bytes, ratio, floor, max_total_tokens)
+
+
+def swa_pool_tokens(
+    budget_bytes: int,
+    full_bytes: int,
+    window_bytes: int,
+    ratio: float,
+    floor: int,
+    max_total_tokens: int | None = None,
+) -> tuple[int, int]:
+    """(full, window) pool tokens when sliding-window layers keep only their windows (SGLang's hybrid
+    SWA pool): `full_bytes` / `window_bytes` per token over the full / window layers, the window
+    pool `ratio` times the full one, together within the budget (`max_total_tokens`: the full
+    pool's size). Never below `floor` (what the running requests' windows and one step's new tokens
+    can hold at once), nor above the full pool (whose tokens are all a window pool could ever hold):
+    a budget too small for the floor gets equal pools."""
+    if max_total_tokens is not None:
+        full = max_total_tokens
+    else:
+        full = kv_pool_tokens(budget_bytes, full_bytes + math.ceil(ratio * window_bytes))
+        if int(full * ratio) < floor:
+            equal = kv_pool_tokens(budget_bytes, full_bytes + window_bytes)
+            full = equal if equal <= floor else (budget_bytes - floor * window_bytes) // full_bytes
+    return full, min(full, max(int(full * ratio), floor))
+
+
 def kv_bytes_per_token(num_layers: int, entry_shapes: list[tuple[int, ...]], dtype: torch.dtype) -> int:
-    """Bytes one token takes in one rank's pool, over all layers."""
+    """Bytes one token takes in one rank's pool, over `num_layers` layers."""
     return num_layers * sum(math.prod(s) for s in entry_shapes) * dtype_bytes(dtype)
 
 

@@ -20,7 +20,7 @@ from dpserve.memory import agree_min
 from dpserve.plan import profiles
 from dpserve.plan.__main__ import dry_run
 from dpserve.plan.__main__ import main as plan_main
-from dpserve.plan.layouts import Layout, layout_memory
+from dpserve.plan.layouts import Layout, LayoutMemory, layout_memory
 from dpserve.plan.model import load
 from dpserve.plan.planner import StepModel
 from dpserve.plan.report import SCHEMA, _ranges
@@ -65,7 +65,27 @@ def test_planner_memory_with_nextn():
     assert_planned_memory(str(trained_mtp_model()), 2, 2, True, KV_GB, speculative_algorithm="NEXTN")
 
 
-def assert_planned_memory(path: str, tp: int, dp: int, attn: bool, kv_gb: float | None, **extra) -> None:
+def test_planner_memory_with_the_hybrid_window_pool(model_dirs):
+    """gpt-oss's window layers in a pool of their own, a quarter of the full one (over the floor
+    of 8 running requests' windows and a 16-token chunk per group): more tokens for the full layers
+    from the same budget, as the engine holds them."""
+    mem = assert_planned_memory(
+        model_dirs["gpt_oss"],
+        2,
+        2,
+        True,
+        KV_GB,
+        max_running_requests=16,
+        chunked_prefill_size=32,
+        swa_full_tokens_ratio=0.25,
+    )
+    assert mem.window_tokens_per_group == mem.kv_tokens_per_group // 4 > 8 * 8 + 16
+    assert mem.kv_tokens_per_group > 1.5 * mem.tokens_without_hybrid
+
+
+def assert_planned_memory(
+    path: str, tp: int, dp: int, attn: bool, kv_gb: float | None, **extra
+) -> LayoutMemory:
     mem = planned(path, tp, dp, attn, kv_gb, **extra)
     assert mem.valid, mem.error
     with Engine(
@@ -83,9 +103,11 @@ def assert_planned_memory(path: str, tp: int, dp: int, attn: bool, kv_gb: float 
     assert len(info["dp_ranks"]) == mem.groups == dp
     for rank in info["dp_ranks"]:
         assert rank["max_total_num_tokens"] == mem.kv_tokens_per_group
+        assert rank["window_tokens"] == mem.window_tokens_per_group
         assert rank["kv_bytes_per_token"] == mem.kv_bytes_per_token
         assert rank["weight_bytes"] == mem.weight_bytes
     assert mem.kv_tokens_total == sum(r["max_total_num_tokens"] for r in info["dp_ranks"])
+    return mem
 
 
 def _engine_error(path: str, tp: int, dp: int, attn: bool) -> str:
@@ -135,6 +157,7 @@ def test_json_schema(model_dirs, capsys):
         "weight_bytes_per_rank", "kv_bytes_per_token", "activation_bytes", "kv_budget_bytes",
         "kv_tokens_per_group", "groups", "kv_tokens_total", "max_concurrency", "prefill_chunk_tokens",
         "prefill_chunk_ms", "prefill_chunk_comm_bytes", "decode", "at_concurrency", "best_under_tpot",
+        "window_bytes_per_token", "window_tokens_per_group", "kv_tokens_per_group_without_hybrid",
     }  # fmt: skip
     for lay in out["layouts"]:
         assert set(lay) == keys

@@ -194,6 +194,7 @@ class FrontEnd:
                     "dp_rank": g,
                     **self.stats[g],
                     "max_total_num_tokens": self.dp_info[g]["max_total_num_tokens"],
+                    "window_tokens": self.dp_info[g]["window_tokens"],
                     "outstanding_tokens": self.router.outstanding_tokens[g],
                     "inflight_requests": self.router.requests[g],
                 }

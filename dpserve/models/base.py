@@ -186,6 +186,8 @@ class CausalLM(nn.Module):
         `run_layer(layer, hidden, batch, pool)` runs each layer (default: its forward; a compiled
         DecoderLayer.forward under --enable-torch-compile)."""
         self.attn_backend.prepare(batch.attn)
+        if batch.window_attn is not None:
+            self.attn_backend.prepare(batch.window_attn)
         hidden = self.embed_tokens(batch.input_ids)
         run = run_layer or DecoderLayer.__call__
         for layer in self.layers:
@@ -254,3 +256,13 @@ class CausalLM(nn.Module):
 
     def kv_entry_shapes(self) -> list[tuple[int, ...]]:
         return self.layers[0].self_attn.kv_entry_shapes()
+
+    @property
+    def window_layers(self) -> frozenset[int]:
+        """Decoder layers with a sliding window (gpt-oss: every other one)."""
+        return frozenset(i for i, layer in enumerate(self.layers) if getattr(layer.self_attn, "window", 0))
+
+    @property
+    def window(self) -> int:
+        """The widest sliding window of its layers (0: none has one)."""
+        return max((getattr(layer.self_attn, "window", 0) for layer in self.layers), default=0)

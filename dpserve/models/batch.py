@@ -24,6 +24,10 @@ class ForwardBatch:
     layout: StepLayout
     row_index: torch.Tensor  # sum_len: [local rows] row of the gathered buffer of each local row
     moe_rows: torch.Tensor  # 1 for each real row the MoE sees, 0 for padding (StepLayout.real_rows)
+    # The hybrid sliding-window pool: the window layers' own slots (kvcache/window.py), read through
+    # a request-to-slot table of their own; None when every layer keeps every token.
+    window_attn: AttentionMetadata | None = None
+    out_window_slots: torch.Tensor | None = None  # [n_g]
 
     @classmethod
     def build(
@@ -39,12 +43,14 @@ class ForwardBatch:
         logit_idx: list[int],
         own_rank: int | None = None,
         table_writes: tuple[list[int], list[int], list[int]] | None = None,
+        window: tuple[torch.Tensor, list[int], tuple[list[int], list[int], list[int]]] | None = None,
     ) -> ForwardBatch:
         """The batch of `layout.local_rows` rows (padding included) from per-token and per-request
         lists (`req_rows`, `q_lens`, `seq_lens`: one entry per attention request); `own_rank`: the
         attention TP rank, when the MoE runs on each rank's own rows; `table_writes`: (rows,
-        columns, slots) entries of the request-to-slot table this step writes. Every list reaches
-        the device in one copy (`stage`)."""
+        columns, slots) entries of the request-to-slot table this step writes; `window`: the hybrid
+        sliding-window pool's table, out slots and table writes, alike. Every list reaches the device
+        in one copy (`stage`)."""
         dev = req_to_token.device
         lists = {
             "input_ids": input_ids,
@@ -58,6 +64,9 @@ class ForwardBatch:
         }
         if table_writes is not None:
             lists.update(zip(("rows", "cols", "slots"), table_writes, strict=True))
+        if window is not None:
+            lists["out_window_slots"] = window[1]
+            lists.update(zip(("window_rows", "window_cols", "window_slots"), window[2], strict=True))
         host = {k: v for k, v in lists.items() if not isinstance(v, torch.Tensor)}
         t = {k: v.long() for k, v in lists.items() if isinstance(v, torch.Tensor)}
         t.update(stage(host, dev))
@@ -74,6 +83,11 @@ class ForwardBatch:
             q_lens_host=list(q_lens),
             seq_lens_host=list(seq_lens),
         )
+        window_attn = None
+        if window is not None:
+            if window[2][0]:
+                window[0][t["window_rows"], t["window_cols"]] = t["window_slots"].int()
+            window_attn = AttentionMetadata(**{**attn.__dict__, "req_to_token": window[0], "state": {}})
         return cls(
             t["input_ids"],
             t["positions"],
@@ -83,6 +97,8 @@ class ForwardBatch:
             layout,
             layout.row_index(dev),
             layout.real_rows(dev, own_rank, t["group_tokens"]),
+            window_attn,
+            t.get("out_window_slots"),
         )
 
 

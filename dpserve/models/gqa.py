@@ -80,10 +80,13 @@ class GQAAttention(nn.Module):
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, pool: KVPool
     ) -> torch.Tensor:
-        """Writes the new keys and values to the pool and attends over it."""
-        pool.write(self.layer_id, batch.out_slots, k, v)
+        """Writes the new keys and values to the pool and attends over it; a window layer of the
+        hybrid pool in its own slots."""
+        hybrid = self.window and batch.window_attn is not None
+        pool.write(self.layer_id, batch.out_window_slots if hybrid else batch.out_slots, k, v)
         k_cache, v_cache = pool.layers[self.layer_id]
-        return self.backend.gqa(q, k_cache, v_cache, batch.attn, self.scale, self.window, self.sinks)
+        meta = batch.window_attn if hybrid else batch.attn
+        return self.backend.gqa(q, k_cache, v_cache, meta, self.scale, self.window, self.sinks)
 
     def weights(self, prefix: str) -> list[Weight]:
         """q heads split over ATTN_TP; k/v heads too, or the one KV head this rank's queries use."""

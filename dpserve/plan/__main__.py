@@ -33,6 +33,8 @@ PLANNED_OPTIONS = (
     "disable_cuda_graph",
     "enable_dp_lm_head",
     "moe_dense_tp_size",
+    "swa_full_tokens_ratio",
+    "disable_hybrid_swa_memory",
 )
 
 

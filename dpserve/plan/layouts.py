@@ -1,7 +1,7 @@
 """Layouts the engine can take on a number of GPUs, and their memory figures computed by the
 engine's own code: EngineConfig and ModelConfig.validate decide validity (their ValueError is the
-reason shown), `build_model` on the meta device gives the weights per rank, `kv_bytes_per_token`
-the KV bytes per token, and dpserve.memory the pool size, exactly as a started engine computes them.
+reason shown), `build_model` on the meta device gives the weights per rank, `pool_token_bytes`
+the KV bytes per token (full and sliding-window layers), and dpserve.memory the pool size, exactly as a started engine computes them.
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ from dpserve.layers.mlp import MLP, MoE
 from dpserve.memory import (
     dtype_bytes,
     kv_budget_bytes,
-    kv_bytes_per_token,
     kv_pool_tokens,
     moe_chunk_rows,
     param_bytes,
+    pool_token_bytes,
+    pool_tokens,
 )
 from dpserve.models.config import ModelConfig
 from dpserve.models.registry import build_model
@@ -139,10 +140,13 @@ class LayoutMemory:
     error: str | None = None  # the engine's reason the layout is invalid, or why it does not fit
     fits: bool = True
     weight_bytes: int = 0  # per rank: parameters and buffers, as the engine reports
-    kv_bytes_per_token: int = 0  # per rank
+    kv_bytes_per_token: int = 0  # per rank, in the full layers (all of them without a hybrid pool)
+    window_bytes_per_token: int = 0  # per rank, in the hybrid pool's sliding-window layers
     activation_bytes: int = 0  # the planner's estimate on GPU (the engine measures it); 0 on CPU
     kv_budget_bytes: int = 0
     kv_tokens_per_group: int = 0
+    window_tokens_per_group: int = 0  # the hybrid sliding-window pool's (0: none)
+    tokens_without_hybrid: int = 0  # what the pool would hold were every layer to keep every token
     groups: int = 0  # DP groups over all GPUs (DP attention groups, or replicas)
     comp: Components = field(default_factory=Components)
 
@@ -254,7 +258,10 @@ def layout_memory(
     out.groups = layout.dp
     dtype = cfg.torch_dtype
     out.weight_bytes = param_bytes(model)
-    out.kv_bytes_per_token = kv_bytes_per_token(model.kv_layers, model.kv_entry_shapes(), dtype)
+    window = 0 if cfg.disable_hybrid_swa_memory else model.window
+    out.kv_bytes_per_token, out.window_bytes_per_token = pool_token_bytes(
+        model.kv_layers, len(model.window_layers) if window else 0, model.kv_entry_shapes(), dtype
+    )
     out.comp = components(model)
     if cfg.device == "cuda" and cfg.max_total_tokens is None and cfg.kv_cache_memory_gb is None:
         out.activation_bytes = activation_peak_estimate(
@@ -274,9 +281,18 @@ def layout_memory(
         out.activation_bytes,
     )
     try:
-        out.kv_tokens_per_group = kv_pool_tokens(
-            out.kv_budget_bytes, out.kv_bytes_per_token, cfg.max_total_tokens
+        out.kv_tokens_per_group, out.window_tokens_per_group = pool_tokens(
+            out.kv_budget_bytes,
+            out.kv_bytes_per_token,
+            out.window_bytes_per_token,
+            cfg.max_total_tokens,
+            cfg.swa_full_tokens_ratio,
+            cfg.window_floor(window),
         )
+        if window:
+            out.tokens_without_hybrid = kv_pool_tokens(
+                out.kv_budget_bytes, out.kv_bytes_per_token + out.window_bytes_per_token, cfg.max_total_tokens
+            )
     except ValueError as e:
         out.fits = False
         out.error = (

@@ -10,6 +10,8 @@ JSON schema `dpserve.plan/1` (stable, grows only by new fields; docs/tuning.md's
         valid, fits, reason (null when it runs),
         weight_bytes_per_rank, kv_bytes_per_token, activation_bytes, kv_budget_bytes,
         kv_tokens_per_group, groups, kv_tokens_total, max_concurrency,
+        window_bytes_per_token, window_tokens_per_group, kv_tokens_per_group_without_hybrid (the hybrid
+            sliding-window pool: kv_bytes_per_token then counts the full layers only; 0 without one),
         prefill_chunk_tokens, prefill_chunk_ms, prefill_chunk_comm_bytes (one rank sends, in that step),
         decode[]: batch, step_ms, tokens_per_s, padding_mode, mlp_rows, comm_bytes (one rank sends),
                   parts_ms{attention, mlp, lm_head, collectives, fixed}
@@ -144,6 +146,9 @@ def to_json(plan: Plan) -> dict:
                 "activation_bytes": m.activation_bytes,
                 "kv_budget_bytes": m.kv_budget_bytes,
                 "kv_tokens_per_group": m.kv_tokens_per_group,
+                "window_bytes_per_token": m.window_bytes_per_token,
+                "window_tokens_per_group": m.window_tokens_per_group,
+                "kv_tokens_per_group_without_hybrid": m.tokens_without_hybrid,
                 "groups": m.groups,
                 "kv_tokens_total": m.kv_tokens_total,
                 "max_concurrency": lp.max_concurrency,
@@ -232,11 +237,27 @@ def header_line(plan: Plan) -> str:
     )
 
 
+def window_note(plan: Plan) -> str | None:
+    """What the hybrid sliding-window pool gives, on the first layout that fits."""
+    m = next((lp.mem for lp in plan.layouts if lp.mem.valid and lp.mem.window_tokens_per_group), None)
+    if m is None:
+        return None
+    return (
+        f"sliding-window layers keep their own pool ({m.cfg.swa_full_tokens_ratio:g} x the full one: "
+        f"--swa-full-tokens-ratio): {m.layout.name} holds {m.kv_tokens_per_group} tokens per group, "
+        f"{m.kv_tokens_per_group / m.tokens_without_hybrid:.2f}x the {m.tokens_without_hybrid} of every "
+        "layer keeping every token (--disable-hybrid-swa-memory)"
+    )
+
+
 def render_markdown(plan: Plan) -> str:
     table, invalid = rows(plan)
     cols = headers(plan)
     lines = [header_line(plan), "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(r) + " |" for r in table]
+    note = window_note(plan)
+    if note:
+        lines += ["", note[0].upper() + note[1:] + "."]
     if invalid:
         lines += ["", "Not possible:", ""] + [f"- `{n}`: {why}" for n, why in invalid]
     lines += ["", "Recommendations:", ""]
@@ -262,6 +283,9 @@ def render_text(plan: Plan, use_rich: bool = True) -> str:
     console = Console(width=200, record=True)
     with console.capture() as cap:
         console.print(t)
+        note = window_note(plan)
+        if note:
+            console.print(note, highlight=False)
         for n, why in invalid:
             console.print(f"[dim]not possible: {n}: {why}[/dim]", highlight=False)
         for k, v in recommendations(plan).items():

@@ -41,6 +41,7 @@ class Req:
     cached_len: int = 0
     prefix_pending: bool = False  # its cached prefix is not in its table row yet: its next chunk carries it
     dup_slots: list[int] = field(default_factory=list)  # own copies of tokens the tree also holds
+    window_lo: int = 0  # hybrid sliding-window pool: it holds the window slots of positions from here
     drafts: list[int] = field(default_factory=list)  # speculative tokens verified in this step
     proposed: list[int] = field(default_factory=list)  # NEXTN: the MTP's drafts for its next step
     # Accounting:

@@ -33,6 +33,7 @@ from dpserve.grammar import COUNTERS as GRAMMAR_COUNTERS
 from dpserve.grammar import GrammarCache, Matcher, grammar_key, token_bitmask
 from dpserve.kvcache.allocator import SlotAllocator
 from dpserve.kvcache.radix_cache import RadixTree
+from dpserve.kvcache.window import WindowSlots
 from dpserve.scheduler.request import GenerateRequest, Req, check_request, max_kv_len
 from dpserve.speculative.ngram import propose_ngram
 from dpserve.step.records import BatchReq, DraftBatch, DraftReq, GroupBatch
@@ -78,6 +79,8 @@ class Scheduler:
         num_drafts: int = 0,  # speculative tokens per decoding request and step; 0: off
         speculative_algorithm: str = "NGRAM",  # NGRAM or NEXTN (drafts handed in by `set_drafts`)
         grammars: GrammarCache | None = None,  # structured output; None: --grammar-backend none
+        window: int = 0,  # the hybrid sliding-window pool's window (0: no such pool)
+        window_capacity: int = 0,  # its slots
     ):
         self.dp_rank, self.device, self.num_drafts = dp_rank, torch.device(device), num_drafts
         self.nextn = num_drafts > 0 and speculative_algorithm == "NEXTN"
@@ -90,6 +93,7 @@ class Scheduler:
         self.allocator = SlotAllocator(kv_capacity)
         self.grammars = grammars
         self.tree = RadixTree() if radix_cache else None
+        self.windows = WindowSlots(window_capacity, window) if window else None
         self.free_rows = list(range(max_running, 0, -1))  # row 0 is the padding row
         self.seeds = random.Random(seed + dp_rank)  # of requests without their own
         self.token_counts = TokenCounts(vocab_size, max_running, self.device)  # for penalties
@@ -171,8 +175,9 @@ class Scheduler:
             spare -= len(req.drafts)
             slots = self._alloc(1 + len(req.drafts))
             tokens = [req.output_ids[-1], *req.drafts]
+            window = self.windows.acquire(slots) if self.windows else []
             batch.reqs.append(
-                BatchReq(req.row, req.kv_len, tokens, slots, sample=True, verify=bool(req.drafts))
+                BatchReq(req.row, req.kv_len, tokens, slots, True, verify=bool(req.drafts), window=window)
             )
             self._step_reqs.append(req)
             req.slots += slots
@@ -224,9 +229,7 @@ class Scheduler:
     def flush_cache(self) -> None:
         """Evicts every prefix-cache entry no running request holds."""
         if self.tree is not None:
-            freed = self.tree.evict(self.tree.evictable)
-            self.allocator.free(freed)
-            self.counters["cache_evicted_tokens"] += len(freed)
+            self._free(self.tree.evict(self.tree.evictable))
 
     @property
     def available(self) -> int:
@@ -268,6 +271,9 @@ class Scheduler:
         if self.tree is not None:
             # At least one token is left to prefill: its logits give the next token.
             cached, node, _ = self.tree.match_prefix(req.fill_ids[: req.prefill_len - 1])
+            usable = len(cached) if self.windows is None else self.windows.usable(cached)
+            if usable < len(cached):  # only as far as the window layers' KV of its last tokens is cached
+                cached, node, _ = self.tree.match_prefix(req.fill_ids[:usable])
             self.tree.lock(node)
             if self.nextn:
                 cached = cached[:-1]  # recomputed for its hidden state (the MTP layer's input)
@@ -279,6 +285,9 @@ class Scheduler:
         req.row = self.free_rows.pop()
         req.node, req.slots, req.cached_len = node, list(cached), len(cached)
         req.prefix_pending = bool(cached)
+        if self.windows is not None:  # the cached window its first chunk's queries read
+            req.window_lo = max(0, len(cached) - (self.windows.window - 1))
+            self.windows.acquire(req.slots[req.window_lo :])
         if req.params.penalized:
             self.token_counts.acquire(req.rid, req.input_ids, req.output_ids)
         if req.cached_tokens is None:
@@ -297,10 +306,15 @@ class Scheduler:
             return 0
         start = req.kv_len
         prefix = req.slots[: req.cached_len] if req.prefix_pending else []
-        req.prefix_pending = False
         slots = self._alloc(n)
+        window = []
+        if self.windows is not None:
+            held = req.slots[req.window_lo : req.cached_len] if req.prefix_pending else []
+            window = self.windows.slots_of(held) + self.windows.acquire(slots)
+        req.prefix_pending = False
         done = start + n == req.prefill_len
-        batch.reqs.append(BatchReq(req.row, start, req.fill_ids[start : start + n], slots, done, prefix))
+        tokens = req.fill_ids[start : start + n]
+        batch.reqs.append(BatchReq(req.row, start, tokens, slots, done, prefix, window=window))
         self._step_reqs.append(req)
         self._prefilled.append(req)
         req.slots += slots
@@ -310,10 +324,27 @@ class Scheduler:
     def _alloc(self, n: int) -> list[int]:
         short = n - self.allocator.num_free
         if short > 0 and self.tree is not None:
-            freed = self.tree.evict(short)
-            self.allocator.free(freed)
-            self.counters["cache_evicted_tokens"] += len(freed)
+            self._free(self.tree.evict(short))
         return self.allocator.alloc(n)
+
+    def _free(self, evicted: list[int]) -> None:
+        """Frees slots the prefix cache evicted (and their window slots)."""
+        if self.windows is not None:
+            self.windows.drop(evicted)
+        self.allocator.free(evicted)
+        self.counters["cache_evicted_tokens"] += len(evicted)
+
+    def _trim_window(self, req: Req, upto: int) -> None:
+        """Gives up the window slots of `req`'s positions before `upto`: to the prefix cache, which
+        holds them until their room is needed, or freed without one."""
+        if self.windows is None or upto <= req.window_lo:
+            return
+        part = req.slots[req.window_lo : upto]
+        if self.tree is not None:
+            self.windows.keep(part)
+        else:
+            self.windows.release(part)
+        req.window_lo = upto
 
     def _retract(self, req: Req) -> None:
         self._release(req)
@@ -335,15 +366,19 @@ class Scheduler:
 
     def _release(self, req: Req) -> None:
         """Gives back what an admitted request holds; its KV stays in the prefix cache."""
+        self._trim_window(req, req.kv_len)
         if self.tree is not None:
             self._cache(req)
             self.tree.unlock(req.node)
+            if self.windows is not None:
+                self.windows.drop(req.dup_slots)
             self.allocator.free(req.dup_slots)
         else:
             self.allocator.free(req.slots)
         self.free_rows.append(req.row)
         self.token_counts.release(req.rid)
         req.row, req.slots, req.node, req.cached_len, req.dup_slots = 0, [], None, 0, []
+        req.window_lo = 0
         req.prefix_pending = False
         req.proposed = []
 
@@ -464,6 +499,8 @@ class Scheduler:
             # prefix cache may hold it already.
             rejected = req.kv_len - (req.seq_len - 1 if emitted else min(req.kv_len, req.seq_len))
             if rejected > 0:
+                if self.windows is not None:
+                    self.windows.release(req.slots[-rejected:])
                 self.allocator.free(req.slots[-rejected:])
                 del req.slots[-rejected:]
             req.drafts = []
@@ -472,6 +509,10 @@ class Scheduler:
             elif req.rid in self.token_counts.rows:
                 counted += [(req.rid, tok) for tok in req.output_ids[-emitted:]]
         self.token_counts.add([rid for rid, _ in counted], [tok for _, tok in counted])
+        if self.windows is not None:  # what the next queries of each request no longer read
+            for req in self._step_reqs:
+                if req.row > 0:
+                    self._trim_window(req, req.kv_len - (self.windows.window - 1))
         self.counters["generated_tokens"] += len(new)
         if self.nextn:
             self._make_draft_batch()
@@ -506,6 +547,9 @@ class Scheduler:
             "kv_reserved": sum(self._estimate(r) for r in self.running),
             "kv_cached": cached,
             "kv_evictable": self.tree.evictable if self.tree else 0,
+            "kv_window_free": self.windows.allocator.num_free if self.windows else 0,
+            "kv_window_cached": self.windows.cached if self.windows else 0,
+            "window_evicted_tokens": self.windows.evicted if self.windows else 0,
             "new_token_ratio": self.new_token_ratio,
             "spec_accept_length": 1 + c["spec_accepted_tokens"] / max(c["spec_verify_steps"], 1),
             **c,

@@ -32,6 +32,25 @@ PER_DP_RANK = [
     ("kv_cached_tokens", "gauge", "KV slots held by the radix prefix cache", "kv_cached"),
     ("kv_evictable_tokens", "gauge", "Prefix-cache slots no running request uses", "kv_evictable"),
     ("max_total_num_tokens", "gauge", "KV pool size in tokens", "max_total_num_tokens"),
+    (
+        "kv_window_pool_tokens",
+        "gauge",
+        "Sliding-window layers' own KV pool size in tokens (0: every layer keeps every token)",
+        "window_tokens",
+    ),
+    ("kv_window_free_tokens", "gauge", "Sliding-window layers' KV slots free", "kv_window_free"),
+    (
+        "kv_window_cached_tokens",
+        "gauge",
+        "Sliding-window layers' KV slots the prefix cache holds (evicted first when short)",
+        "kv_window_cached",
+    ),
+    (
+        "kv_window_evicted_tokens",
+        "counter",
+        "Sliding-window layers' KV the prefix cache gave up for new tokens",
+        "window_evicted_tokens",
+    ),
     ("new_token_ratio", "gauge", "Share of decode budgets counted at admission", "new_token_ratio"),
     (
         "outstanding_tokens",

@@ -35,6 +35,9 @@ class BatchReq:
     sample: bool  # whether the next token is sampled after the last new token
     prefix: list[int] = field(default_factory=list)
     verify: bool = False  # tokens are the last token and its drafts: logits for every one of them
+    # Hybrid sliding-window pool: the window layers' slots of positions [seq_len - len(window),
+    # seq_len): the new tokens' and, when it (re)starts on cached slots, the cached window before them.
+    window: list[int] = field(default_factory=list)
 
     @property
     def seq_len(self) -> int:

@@ -2,7 +2,7 @@
 
 Every rank captures the same graphs in the same order at start-up (they contain WORLD and
 ATTN_TP collectives). A replay copies the step's inputs into static buffers: token ids,
-positions, KV slots, each row's request-to-slot table row and KV length, and (sum_len)
+positions, KV slots (and the hybrid pool's window slots), each row's request-to-slot table row and KV length, and (sum_len)
 `row_index`, where each local row sits in the gathered buffer. The graph's shapes depend on
 the bucket alone, so one graph serves any split of the tokens over the DP groups, and an
 idle group replays it with zero real rows. On the CPU the same padded batches run eagerly.
@@ -33,16 +33,20 @@ class CudaGraphRunner:
         layouts: list[StepLayout],
         kv_len: int,
         forward_hidden: Callable[[ForwardBatch, KVPool], torch.Tensor] | None = None,
+        req_to_window: torch.Tensor | None = None,
     ):
         """Captures one graph per layout (largest first: the smaller graphs reuse its memory) of
-        `forward_hidden` (default: the model's; --enable-torch-compile: compiled, captured compiled)."""
+        `forward_hidden` (default: the model's; --enable-torch-compile: compiled, captured compiled);
+        `req_to_window`: the hybrid sliding-window pool's table (its layers write their own slots)."""
         self.model, self.pool, self.req_to_token, self.kv_len = model, pool, req_to_token, kv_len
+        self.req_to_window = req_to_window
         self.forward_hidden = forward_hidden or model.forward_hidden
         dev = req_to_token.device
         rows = layouts[0].local_rows
         self.input_ids = torch.zeros(rows, dtype=torch.long, device=dev)
         self.positions = torch.zeros_like(self.input_ids)
         self.out_slots = torch.zeros_like(self.input_ids)
+        self.out_window_slots = torch.zeros_like(self.input_ids)
         self.row_index = torch.zeros_like(self.input_ids)
         self.own_rank = model.moe_own_rank
         self.moe_rows = torch.zeros(
@@ -79,6 +83,11 @@ class CudaGraphRunner:
         attn = AttentionMetadata(
             self.req_to_token, self.req_idx[:n], self.seq_lens[:n], self.q_start[: n + 1], n, 1, self.kv_len
         )
+        window_attn = None
+        if self.req_to_window is not None:
+            window_attn = AttentionMetadata(
+                **{**attn.__dict__, "req_to_token": self.req_to_window, "state": {}}
+            )
         return ForwardBatch(
             input_ids=self.input_ids[:n],
             positions=self.positions[:n],
@@ -88,6 +97,8 @@ class CudaGraphRunner:
             layout=layout,
             row_index=self.row_index[:n] if layout.mode == "sum_len" else self.row_index[:0],
             moe_rows=self.moe_rows[: len(layout.real_rows("cpu", self.own_rank))],
+            window_attn=window_attn,
+            out_window_slots=self.out_window_slots[:n] if window_attn is not None else None,
         )
 
     def has(self, layout: StepLayout) -> bool:
@@ -106,6 +117,7 @@ class CudaGraphRunner:
             (self.moe_rows, batch.moe_rows),
             (self.req_idx, batch.attn.req_idx),
             (self.seq_lens, batch.attn.seq_lens),
+            *([(self.out_window_slots, batch.out_window_slots)] if self.req_to_window is not None else []),
         ):
             static[: value.shape[0]].copy_(value)
         graph.replay()

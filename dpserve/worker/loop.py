@@ -51,8 +51,14 @@ STEP_LOG_LEN = 100_000
 STACK_DUMP_SIGNAL = signal.SIGUSR1
 SEND_LINGER_MS = 5000  # how long an exiting rank tries to deliver its last messages
 # What a rank reports when ready (weight_bytes: its parameters and buffers; activation_bytes: the
-# peak measured at start-up, GPU only).
-RANK_FIGURES = ("max_total_num_tokens", "kv_bytes_per_token", "weight_bytes", "activation_bytes")
+# peak measured at start-up, GPU only; window_tokens: the hybrid sliding-window pool's, 0 without).
+RANK_FIGURES = (
+    "max_total_num_tokens",
+    "window_tokens",
+    "kv_bytes_per_token",
+    "weight_bytes",
+    "activation_bytes",
+)
 
 logger = logging.getLogger("dpserve.worker")
 
@@ -231,6 +237,8 @@ class Worker:
                 device=device,
                 num_drafts=cfg.num_drafts,
                 speculative_algorithm=cfg.speculative_algorithm or "NGRAM",
+                window=runner.window,
+                window_capacity=runner.window_tokens,
                 grammars=GrammarCache(
                     cfg.model_path,
                     model_cfg.vocab_size,

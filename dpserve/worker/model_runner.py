@@ -18,7 +18,7 @@ from dpserve.config import EngineConfig
 from dpserve.distributed import SENT, Groups, all_reduce
 from dpserve.kvcache.pool import KVPool
 from dpserve.layers.linear import pack_linears_for_cpu
-from dpserve.memory import agree_min, kv_budget_bytes, kv_bytes_per_token, kv_pool_tokens, param_bytes
+from dpserve.memory import agree_min, kv_budget_bytes, param_bytes, pool_token_bytes, pool_tokens
 from dpserve.models.base import CausalLM
 from dpserve.models.batch import ForwardBatch
 from dpserve.models.config import ModelConfig
@@ -56,7 +56,8 @@ def peak_step(cfg: EngineConfig, context_len: int) -> GroupBatch:
     sizes = [(n, False) for n in prompts] + [(1 + d, d > 0)] * decoding
     batch, used = GroupBatch("extend"), 1  # slot 0: the padding slot
     for row, (n, verify) in enumerate(sizes, start=1):
-        batch.reqs.append(BatchReq(row, 0, [0] * n, list(range(used, used + n)), sample=True, verify=verify))
+        slots = list(range(used, used + n))
+        batch.reqs.append(BatchReq(row, 0, [0] * n, slots, sample=True, verify=verify, window=slots))
         used += n
     return batch
 
@@ -73,7 +74,12 @@ class ModelRunner:
             if packed:
                 logger.info("%d linear layers packed for oneDNN (bfloat16 on the CPU)", packed)
         self.kv_shapes = self.model.kv_entry_shapes()
-        self.kv_bytes_per_token = kv_bytes_per_token(self.model.kv_layers, self.kv_shapes, self.dtype)
+        # The hybrid sliding-window pool: window layers keep only their windows' KV, in slots of their own.
+        self.window = 0 if cfg.disable_hybrid_swa_memory else self.model.window
+        self.window_layers = self.model.window_layers if self.window else frozenset()
+        self.kv_bytes_per_token, self.window_bytes_per_token = pool_token_bytes(
+            self.model.kv_layers, len(self.window_layers), self.kv_shapes, self.dtype
+        )
         # Pool slot of every position of every running request, kept alike on every rank of the group:
         # each step writes only its new slots (row 0 stays zero for padded rows).
         self.req_to_token = torch.zeros(
@@ -87,15 +93,23 @@ class ModelRunner:
         # A decode step whose longest request exceeds what a graph's attention reads runs unpadded.
         max_kv_len = min(model_cfg.context_len, self.model.attn_backend.graph_max_kv_len or 1 << 62)
         self.policy = PaddingPolicy(cfg.dp_padding_mode, cfg.graph_buckets, self.topo, max_kv_len)
-        local_tokens = self._kv_capacity()
+        self.req_to_window = torch.zeros_like(self.req_to_token) if self.window else None
+        local_tokens, local_window = self._kv_capacity()
         # Every rank of the instance takes the smallest pool, so the ranks of a group hold the same.
         self.max_total_num_tokens = agree_min(local_tokens, groups.world_cpu)
+        self.window_tokens = agree_min(local_window, groups.world_cpu)
         self.pool = KVPool(
-            model_cfg.num_layers, self.max_total_num_tokens, self.kv_shapes, self.dtype, device
+            model_cfg.num_layers,
+            self.max_total_num_tokens,
+            self.kv_shapes,
+            self.dtype,
+            device,
+            self.window_layers,
+            self.window_tokens,
         )
         logger.info(
             "dp_rank %d attn_tp_rank %d: weights %.1f MiB, activation peak %.1f MiB, KV budget holds %d "
-            "tokens here; KV pool of %d tokens (the instance's minimum) x %d bytes (%.1f MiB)",
+            "tokens here; KV pool of %d tokens (the instance's minimum) x %d bytes (%.1f MiB)%s",
             self.topo.dp_rank,
             self.topo.attn_tp_rank,
             self.weight_bytes / 2**20,
@@ -104,6 +118,10 @@ class ModelRunner:
             self.max_total_num_tokens,
             self.kv_bytes_per_token,
             self.max_total_num_tokens * self.kv_bytes_per_token / 2**20,
+            f"; its {len(self.window_layers)} sliding-window layers keep {self.window_tokens} tokens "
+            f"({self.window}-token windows)"
+            if self.window
+            else "",
         )
         self.graphs = None
         self.forward_hidden = self.model.forward_hidden
@@ -119,10 +137,12 @@ class ModelRunner:
                 self.policy.padded_layouts(),
                 max_kv_len,
                 self.forward_hidden,
+                self.req_to_window,
             )
 
-    def _kv_capacity(self) -> int:
-        """This rank's pool size from dpserve.memory (the planner predicts it with the same calls)."""
+    def _kv_capacity(self) -> tuple[int, int]:
+        """This rank's pool sizes, full and window layers' (0 without the hybrid pool), from
+        dpserve.memory (the planner predicts them with the same calls)."""
         cfg = self.cfg
         total = 0
         budget_from_memory = cfg.max_total_tokens is None and cfg.kv_cache_memory_gb is None
@@ -141,7 +161,14 @@ class ModelRunner:
             # Never more than is free now (another process may hold part of the device).
             free = torch.cuda.mem_get_info(self.device)[0]
             budget = min(budget, free - self.activation_bytes)
-        return kv_pool_tokens(budget, self.kv_bytes_per_token, cfg.max_total_tokens)
+        return pool_tokens(
+            budget,
+            self.kv_bytes_per_token,
+            self.window_bytes_per_token,
+            cfg.max_total_tokens,
+            cfg.swa_full_tokens_ratio,
+            cfg.window_floor(self.window),
+        )
 
     def _measure_activation_peak(self) -> int:
         """Peak memory of a warm-up forward of the largest step the scheduler can form, in every DP
@@ -164,6 +191,8 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
         self.req_to_token.zero_()
+        if self.req_to_window is not None:
+            self.req_to_window.zero_()
         del pool
         torch.cuda.empty_cache()
         return int(peak)
@@ -261,4 +290,17 @@ class ModelRunner:
             logit_idx,
             self.model.moe_own_rank,
             table_writes=(rows, cols, slots),
+            window=self._window_inputs(reqs, pad),
         )
+
+    def _window_inputs(self, reqs: list[BatchReq], pad: int) -> tuple | None:
+        """The hybrid pool's table, the new tokens' window slots, and the table entries to write."""
+        if self.req_to_window is None:
+            return None
+        rows, cols, slots = [], [], []
+        for r in reqs:
+            rows += [r.row] * len(r.window)
+            cols += range(r.seq_len - len(r.window), r.seq_len)
+            slots += r.window
+        out = [s for r in reqs for s in r.window[len(r.window) - len(r.tokens) :]] + [0] * pad
+        return self.req_to_window, out, (rows, cols, slots)
