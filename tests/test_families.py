@@ -21,12 +21,15 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import FAMILY_ARCHS, GREEDY, KV_BUDGET_GB, SMALL_POOL, assert_matches_reference
+from openai import OpenAI
 from safetensors.torch import load_file
+from transformers import AutoTokenizer
 
 from dpserve.models.config import ModelConfig
 from dpserve.models.loader import CheckpointReader
 from dpserve.models.tokenizer import load_tokenizer
 from dpserve.testing.reference import hf_greedy_reference
+from dpserve.testing.server import ServerProcess
 from dpserve.testing.tiny_models import dequantized_copy, quantize_experts_mxfp4, write_tiny_model
 
 
@@ -188,6 +191,29 @@ def test_features_compose_with_the_family(engine_cache, model_dirs, family_refs,
     assert sum(m["retractions"] for m in metrics) > sum(m["retractions"] for m in metrics_before)
     assert sum(o["meta_info"]["cached_tokens"] for o in outs) > 0
     assert all(o["meta_info"]["spec_verify_ct"] > 0 for o in outs)
+
+
+def test_chat_completions_render_the_familys_template(engine_cache, model_dirs):
+    """gpt-oss's tiny checkpoint carries harmony's turn format: /v1/chat/completions renders that
+    template (not another family's), streamed or not, under DP attention with the hybrid window
+    pool, and answers what the engine answers for the rendered ids."""
+    path, chat = model_dirs["gpt_oss"], [{"role": "user", "content": "Where does the train go?"}]
+    tok = AutoTokenizer.from_pretrained(path)
+    text = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    assert text == "<|start|>user<|message|>Where does the train go?<|end|><|start|>assistant"
+    ids = tok.encode(text, add_special_tokens=False)
+    layout = {"tp_size": 2, "dp_size": 2, "enable_dp_attention": True, "kv_cache_memory_gb": KV_BUDGET_GB}
+    expected = engine_cache.get(path, **layout).generate(input_ids=ids, sampling_params=GREEDY)
+    engine_cache.close()  # two cores: not beside the server
+    flags = ["--tp", "2", "--dp", "2", "--enable-dp-attention", "--kv-cache-memory-gb", str(KV_BUDGET_GB)]
+    with ServerProcess("--model-path", path, "--dtype", "float32", *flags) as srv:
+        client = OpenAI(base_url=f"{srv.url}/v1", api_key="none")
+        common = {"model": path, "messages": chat, "max_tokens": GREEDY["max_new_tokens"], "temperature": 0}
+        reply = client.chat.completions.create(**common, extra_body={"ignore_eos": True})
+        stream = client.chat.completions.create(**common, stream=True, extra_body={"ignore_eos": True})
+        streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert reply.usage.prompt_tokens == len(ids) and reply.usage.completion_tokens == GREEDY["max_new_tokens"]
+    assert reply.choices[0].message.content == streamed == expected["text"]
 
 
 def test_gpt_oss_compiled_decode(engine_cache, model_dirs, family_refs, prompts):

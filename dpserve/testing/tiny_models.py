@@ -60,6 +60,24 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
+# Each family's turn format (as its published chat template renders a conversation, without the
+# system preambles), so that a server serving the family's tiny checkpoint renders its own template.
+FAMILY_CHAT_TEMPLATES = {
+    "gpt_oss": (  # harmony
+        "{% for message in messages %}<|start|>{{ message['role'] }}<|message|>{{ message['content'] }}"
+        "<|end|>{% endfor %}{% if add_generation_prompt %}<|start|>assistant{% endif %}"
+    ),
+    "glm4_moe": (
+        "[gMASK]<sop>{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}"
+        "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    ),
+    "kimi_k2": (
+        "{% for message in messages %}<|im_{{ 'user' if message['role'] == 'user' else message['role'] }}|>"
+        "{{ message['role'] }}<|im_middle|>{{ message['content'] }}<|im_end|>{% endfor %}"
+        "{% if add_generation_prompt %}<|im_assistant|>assistant<|im_middle|>{% endif %}"
+    ),
+}
+
 CORPUS = """\
 The sun rose over the quiet town, and the people went out to work in the fields.
 A small dog ran down the road to meet the children who were walking to school.
@@ -84,10 +102,11 @@ The moon was bright and the stars were shining over the mountains and the lake.
 """
 
 
-def build_tokenizer(out_dir: str | Path) -> None:
+def build_tokenizer(out_dir: str | Path, chat_template: str = CHAT_TEMPLATE) -> None:
     """Train a tiny byte-level BPE tokenizer on the built-in corpus and save it to ``out_dir``.
 
-    Plain ``encode`` adds no special tokens; the chat template starts with ``<|bos|>``.
+    Plain ``encode`` adds no special tokens; the default chat template (ChatML, as Qwen's) starts
+    with ``<|bos|>``.
     """
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -105,7 +124,7 @@ def build_tokenizer(out_dir: str | Path) -> None:
         bos_token=SPECIAL_TOKENS[0],
         eos_token=SPECIAL_TOKENS[1],
         pad_token=SPECIAL_TOKENS[2],
-        chat_template=CHAT_TEMPLATE,
+        chat_template=chat_template,
         clean_up_tokenization_spaces=False,
     ).save_pretrained(str(out_dir))
 
@@ -294,7 +313,7 @@ def write_tiny_model(
         raise ValueError(f"MTP layers are written for {', '.join(MTP_ARCHS.values())} only, not {arch!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    build_tokenizer(out)
+    build_tokenizer(out, FAMILY_CHAT_TEMPLATES.get(arch, CHAT_TEMPLATE))
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(out))
     assert len(tokenizer) == VOCAB_SIZE
     special_ids = dict(
