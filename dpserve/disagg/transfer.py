@@ -1,0 +1,128 @@
+"""KV moved between instances for prefill-decode disaggregation: Mooncake's transfer engine writes
+rows of one instance's KV pool straight into another's.
+
+Each side registers every buffer of its pool once (`KVTransfer.register`); its `PoolDescriptor`
+(the transfer engine's session address, each buffer's base address and bytes per slot row) is all a
+peer needs to find where a slot's row lives. Writing a request's KV is one batched call: for each
+buffer, each run of slots consecutive on both sides is one contiguous copy (a freshly allocated
+request's slots are mostly one run), never a copy per token. Buffers are the pool's, layer by
+layer, each layer's entries in order (MLA: latent, then V3.2's indexer key; GQA: keys, values), so
+a part of a write names the buffers it covers: a hybrid pool's window layers take window slots.
+
+The CPU wheel (`mooncake-transfer-engine-non-cuda`, which needs Debian's `libibverbs1`) moves host
+memory over TCP; on GPUs the CUDA wheel moves device memory over RDMA or NVLink, same calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dpserve.kvcache.pool import KVPool
+
+BATCH_BYTES = 16 << 20  # bytes per batched transfer call
+
+
+@dataclass(frozen=True)
+class PoolDescriptor:
+    session: str  # "host:port" of the owner's transfer engine
+    buffers: tuple[tuple[int, int], ...]  # (base address, bytes per slot row) of each pool buffer
+
+    def to_json(self) -> dict:
+        return {"session": self.session, "buffers": [list(b) for b in self.buffers]}
+
+    @classmethod
+    def from_json(cls, data: dict) -> PoolDescriptor:
+        return cls(data["session"], tuple((int(a), int(n)) for a, n in data["buffers"]))
+
+
+def _batches(srcs: list[int], dsts: list[int], lens: list[int], limit: int):
+    """The copies in batches of at most `limit` bytes (a larger copy split): the TCP transport
+    queues a batch's slices at once and refuses a queue it cannot hold (64 MiB failed here)."""
+    batch: tuple[list[int], list[int], list[int]] = ([], [], [])
+    size = 0
+    for src, dst, n in zip(srcs, dsts, lens, strict=True):
+        while n > 0:
+            take = min(n, limit - size)
+            for part, value in zip(batch, (src, dst, take), strict=True):
+                part.append(value)
+            src, dst, n, size = src + take, dst + take, n - take, size + take
+            if size == limit:
+                yield batch
+                batch, size = ([], [], []), 0
+    if size:
+        yield batch
+
+
+def slot_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
+    """(source start, destination start, length) of the runs of slot pairs consecutive on both sides."""
+    if len(src) != len(dst):
+        raise ValueError(f"{len(src)} source slots for {len(dst)} destination slots")
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src, dst, strict=True):
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs
+
+
+class KVTransfer:
+    """One rank's transfer engine and its registered pool."""
+
+    def __init__(self, host: str, protocol: str = "tcp", device_name: str = ""):
+        try:
+            from mooncake.engine import TransferEngine
+        except ImportError as e:  # the wheel, or the libibverbs it links
+            raise RuntimeError(
+                f"Mooncake's transfer engine cannot be loaded ({e}): install mooncake-transfer-engine "
+                "(GPU) or mooncake-transfer-engine-non-cuda (CPU; it needs the libibverbs1 package)"
+            ) from e
+        self.engine = TransferEngine()
+        # P2P handshake: peers find each other by the session address alone, no metadata server.
+        if self.engine.initialize(host, "P2PHANDSHAKE", protocol, device_name) != 0:
+            raise RuntimeError(f"the transfer engine did not start on {host} over {protocol}")
+        self.session = f"{host}:{self.engine.get_rpc_port()}"
+        self.local: PoolDescriptor | None = None
+        self._registered: list[int] = []
+
+    def register(self, pool: KVPool) -> PoolDescriptor:
+        """Registers every buffer of `pool` (once) and describes it for peers."""
+        buffers = [buf for layer in pool.layers for buf in layer]
+        addrs = [b.data_ptr() for b in buffers]
+        if self.engine.batch_register_memory(addrs, [b.nbytes for b in buffers]) != 0:
+            raise RuntimeError(f"the transfer engine could not register the KV pool's {len(buffers)} buffers")
+        self._registered = addrs
+        rows = [b.stride(0) * b.element_size() for b in buffers]
+        self.local = PoolDescriptor(self.session, tuple(zip(addrs, rows, strict=True)))
+        return self.local
+
+    def write(self, peer: PoolDescriptor, parts: list[tuple[range | list[int], list[int], list[int]]]) -> int:
+        """Writes rows of the registered pool into `peer`'s: each part is (buffer indices, source
+        slots, destination slots). One batched call; returns the bytes moved."""
+        local = self.local
+        if local is None:
+            raise RuntimeError("no pool registered")
+        if [n for _, n in peer.buffers] != [n for _, n in local.buffers]:
+            raise ValueError(
+                f"the peer's pool differs: {len(peer.buffers)} buffers of "
+                f"{sorted({n for _, n in peer.buffers})} bytes per row, this one {len(local.buffers)} of "
+                f"{sorted({n for _, n in local.buffers})}"
+            )
+        srcs, dsts, lens = [], [], []
+        for buffers, src, dst in parts:
+            runs = slot_runs(src, dst)
+            for i in buffers:
+                (base, row), (peer_base, _) = local.buffers[i], peer.buffers[i]
+                for s, d, n in runs:
+                    srcs.append(base + s * row)
+                    dsts.append(peer_base + d * row)
+                    lens.append(n * row)
+        for batch in _batches(srcs, dsts, lens, BATCH_BYTES):
+            if self.engine.batch_transfer_sync_write(peer.session, *batch) != 0:
+                raise RuntimeError(f"writing {sum(batch[2])} bytes of KV to {peer.session} failed")
+        return sum(lens)
+
+    def close(self) -> None:
+        if self._registered:
+            self.engine.batch_unregister_memory(self._registered)
+            self._registered = []

@@ -1,0 +1,92 @@
+"""KV moved between two processes by Mooncake's transfer engine (dpserve/disagg/transfer.py): rows of
+one pool written straight into another's registered pool, over TCP on loopback."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+
+import pytest
+import torch
+
+from dpserve.bench import kv_transfer
+from dpserve.disagg.transfer import KVTransfer, PoolDescriptor, _batches, slot_runs
+from dpserve.kvcache.pool import KVPool
+
+SHAPES = [(2, 4), (2, 4)]  # GQA: keys and values, 2 KV heads of 4
+WINDOW_LAYERS = frozenset({1})  # a hybrid pool: layer 1's rows are window slots
+
+
+def make_pool(shapes=SHAPES) -> KVPool:
+    return KVPool(3, 16, shapes, torch.float32, torch.device("cpu"), WINDOW_LAYERS, 8)
+
+
+def receive(descriptors: mp.Queue, results: mp.Queue) -> None:
+    """The decode side: registers a zeroed pool, hands out its descriptor, then its contents."""
+    pool = make_pool()
+    transfer = KVTransfer("127.0.0.1")
+    descriptors.put(transfer.register(pool).to_json())
+    results.get()  # the writer is done
+    results.put([[buf.numpy().copy() for buf in layer] for layer in pool.layers])  # by value
+    transfer.close()
+
+
+def test_slot_runs():
+    assert slot_runs([3, 4, 5, 9, 10], [10, 11, 12, 2, 3]) == [(3, 10, 3), (9, 2, 2)]
+    assert slot_runs([1, 2], [5, 4]) == [(1, 5, 1), (2, 4, 1)]
+    with pytest.raises(ValueError, match="3 source slots for 2 destination slots"):
+        slot_runs([1, 2, 3], [1, 2])
+
+
+def test_copies_are_batched_within_the_limit():
+    batches = list(_batches([0, 100, 200], [1000, 2000, 3000], [30, 50, 10], 40))
+    assert batches == [
+        ([0, 100], [1000, 2000], [30, 10]),
+        ([110], [2010], [40]),
+        ([200], [3000], [10]),
+    ]
+
+
+def test_the_transfer_benchmark_moves_every_byte(capsys):
+    kv_transfer.main(
+        ["--model", "deepseek-v2-lite", "--tokens", "64", "--run", "16", "--repeat", "1", "--json"]
+    )
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert r["bytes_per_token"] == 27 * 576 * 2  # V2-Lite: 27 layers of latent + rope, bfloat16
+    assert r["bytes"] == 64 * r["bytes_per_token"] and r["buffers"] == 27
+    assert set(r["vs_floor"]) == {"floor", "one run", "runs of 16"} and r["vs_floor"]["floor"] == 1.0
+
+
+def test_rows_land_in_the_peers_pool():
+    ctx = mp.get_context("spawn")
+    descriptors, results = ctx.Queue(), ctx.Queue()
+    peer = ctx.Process(target=receive, args=(descriptors, results), daemon=True)
+    peer.start()
+    try:
+        pool = make_pool()
+        for layer in pool.layers:
+            for buf in layer:
+                buf.copy_(torch.randn(buf.shape))
+        transfer = KVTransfer("127.0.0.1")
+        transfer.register(pool)
+        target = PoolDescriptor.from_json(descriptors.get(timeout=60))
+        full, window = [0, 1, 4, 5], [2, 3]  # layers 0 and 2; layer 1's keys and values
+        parts = [(full, [3, 4, 5, 9], [10, 11, 12, 2]), (window, [1, 2], [7, 5])]
+        assert transfer.write(target, parts) == (4 * 4 + 2 * 2) * 2 * 4 * 4
+        results.put("done")
+        got = results.get(timeout=60)
+        buffers = [buf for layer in pool.layers for buf in layer]
+        received = [torch.from_numpy(buf) for layer in got for buf in layer]
+        for i, (src, dst) in enumerate(zip(buffers, received, strict=True)):
+            expected = torch.zeros_like(dst)
+            for _, s_slots, d_slots in (p for p in parts if i in p[0]):
+                expected[d_slots] = src[s_slots]
+            assert torch.equal(dst, expected), f"buffer {i}"
+        with pytest.raises(ValueError, match="the peer's pool differs"):
+            transfer.write(PoolDescriptor(target.session, target.buffers[:2]), parts)
+        transfer.close()
+    finally:
+        peer.join(timeout=60)
+        if peer.is_alive():
+            peer.kill()
+    assert peer.exitcode == 0
