@@ -271,12 +271,12 @@ class Scheduler:
         if self.tree is not None:
             # At least one token is left to prefill: its logits give the next token.
             cached, node, _ = self.tree.match_prefix(req.fill_ids[: req.prefill_len - 1])
+            if self.nextn:
+                cached = cached[:-1]  # recomputed for its hidden state (the MTP layer's input)
             usable = len(cached) if self.windows is None else self.windows.usable(cached)
             if usable < len(cached):  # only as far as the window layers' KV of its last tokens is cached
                 cached, node, _ = self.tree.match_prefix(req.fill_ids[:usable])
             self.tree.lock(node)
-            if self.nextn:
-                cached = cached[:-1]  # recomputed for its hidden state (the MTP layer's input)
         others = sum(self._estimate(r) for r in self.running) + reserved
         if self.available - others < req.prefill_len - len(cached) + self._estimate_decode(req):
             if node is not None:
