@@ -398,3 +398,55 @@ def test_sparse_attention_shortens_long_context_decode_steps():
     assert abs(steps["deepseek-v3.2"][0] / steps["deepseek-v3"][0] - 1) < 0.05
     assert steps["deepseek-v3.2"][1] < 0.8 * steps["deepseek-v3"][1]
     assert kv["deepseek-v3.2"] / kv["deepseek-v3"] == (512 + 64 + 128) / (512 + 64)
+
+
+@pytest.mark.parametrize(
+    "model,decode,per_token",
+    [
+        ("deepseek-v2-lite", "2:2:attn", 27 * 576 * 2),  # MLA: one latent per rank, attention TP 1
+        ("qwen3-30b-a3b", "4:1", 48 * 2 * 4 * 128 * 2),  # GQA: 4 ranks with one KV head each
+        ("gpt-oss-20b", "8:1", None),  # the hybrid pool: window layers receive the last 128 only
+    ],
+)
+def test_pd_mode_counts_the_kv_each_request_moves(capsys, model, decode, per_token):
+    flags = ["--model", model, "--device", "cuda", "--device-profile", "h100", "--json"]
+    args = [
+        *flags,
+        "--pd",
+        "2:1",
+        decode,
+        "--input-len",
+        "1000",
+        "--output-len",
+        "100",
+        "--request-rate",
+        "4",
+    ]
+    assert plan_main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    # gpt-oss-20b: 12 full and 12 window layers, one KV head of 64 per rank, over 8 ranks.
+    moved = 8 * (1000 + 128) * 12 * 2 * 64 * 2 if per_token is None else 1000 * per_token
+    t, p, d = out["transfer"], out["prefill"], out["decode"]
+    assert t["bytes_per_request"] == moved
+    groups = int(decode.split(":")[1])
+    per_rank = moved / (int(decode.split(":")[0]) // groups)
+    assert t["rank_bytes_per_s"] == pytest.approx(4 / groups * per_rank)
+    assert t["link_share"] == pytest.approx(t["rank_bytes_per_s"] / profiles.get_profile("h100").inter_bw)
+    assert p["requests_per_s"] * p["prefill_ms_per_request"] / 1e3 == pytest.approx(1)  # one group
+    assert d["requests_per_s"] > 0 and d["max_concurrency"] > 0
+
+
+def test_pd_mode_names_a_side_that_cannot_run(capsys):
+    args = [
+        "--model",
+        "deepseek-v2-lite",
+        "--device",
+        "cuda",
+        "--device-profile",
+        "h100",
+        "--pd",
+        "2:1",
+        "3:2:attn",
+    ]
+    assert plan_main(args) == 2
+    assert "the decode layout tp3 dp2 dp-attn cannot run" in capsys.readouterr().err

@@ -7,6 +7,7 @@ python -m dpserve.plan --model-path /models/DeepSeek-V2-Lite --device-profile h1
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from dataclasses import fields
 from typing import TYPE_CHECKING
@@ -134,6 +135,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--moe-a2a-backend all_to_all; default: every layout of --num-gpus, a MoE model's DP attention "
         "ones also with ep and ep-a2a)",
     )
+    par.add_argument(
+        "--pd",
+        nargs=2,
+        type=layout_arg,
+        default=None,
+        metavar=("PREFILL", "DECODE"),
+        help="prefill-decode disaggregation: a prefill instance of layout PREFILL and a decode instance "
+        "of layout DECODE, each on its own GPUs (--nnodes: each side's nodes): what each side holds and "
+        "keeps up with, and the KV one request moves (with --request-rate, the bandwidth it takes)",
+    )
     add_engine_args(p, only=PLANNED_OPTIONS)  # as launch_server takes them
     add_plan_args(p)
     return p
@@ -208,9 +219,24 @@ def dry_run(cfg: EngineConfig, device_profile: str | None) -> int:
     return 0
 
 
+def run_pd(args: argparse.Namespace, options: dict, model: str) -> int:
+    from dpserve.plan import pd
+
+    args.num_gpus = None  # each side's GPUs are its layout's
+    try:
+        plan = pd.pd_plan(*(make(args, options, model, [layout]) for layout in args.pd))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(pd.to_json(plan), indent=1) if args.json else pd.render(plan))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     options = engine_kwargs(args, only=PLANNED_OPTIONS)
+    if args.pd:
+        return run_pd(args, options, args.model or args.model_path)
     return run(args, options, args.model or args.model_path, args.layout)
 
 
