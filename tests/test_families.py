@@ -74,7 +74,8 @@ def test_qwen3_moe_config_declares_its_layers(qwen3_moe):
 # dispatch path varied over the families; Qwen3 (dense) split over two attention-TP ranks.
 LAYOUTS = [(1, 1, 1, "none"), (2, 2, 1, "none"), (4, 2, 1, "none")]
 CASES = [
-    *[("kimi_k2", *layout) for layout in [*LAYOUTS, (4, 4, 4, "none")]],
+    # Kimi-K2 runs DeepSeek-V3's code under its own config (test_parity.py has V3 in every layout).
+    *[("kimi_k2", *layout) for layout in [(1, 1, 1, "none"), (4, 4, 4, "none")]],
     *[("qwen3_moe", *layout) for layout in [*LAYOUTS, (4, 4, 4, "all_to_all")]],
     *[("glm4_moe_mtp", *layout) for layout in [*LAYOUTS, (4, 4, 4, "all_to_all")]],
     *[("gpt_oss", *layout) for layout in [*LAYOUTS, (4, 4, 4, "none")]],
