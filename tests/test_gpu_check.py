@@ -1,7 +1,9 @@
 """scripts/gpu_check.sh cannot rot between GPU runs: every stage's CPU variant (tiny shapes, Triton's
-interpreter, gloo) passes here but compile's, whose CPU variant is `compare` with
---enable-torch-compile, as tests/test_compile.py runs it in more layouts; and without a GPU the
-script skips every stage, saying why, and exits 0 in seconds."""
+interpreter, gloo) passes here but those whose CPU variants other tests already run: compile's
+(`compare` with --enable-torch-compile: tests/test_compile.py, in more layouts), serving's
+(bench.serving against the transformers baseline: tests/test_bench_serving.py) and padding's (the
+modes under even and uneven loads: tests/test_padding.py); and without a GPU the script skips every
+stage, saying why, and exits 0 in seconds."""
 
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ def test_without_a_gpu_every_stage_is_skipped_in_seconds():
 
 def test_every_stage_passes_its_cpu_variant(engine_cache):
     engine_cache.close()  # two cores: the stages start their own engines
-    stages = [s.name for s in STAGES if s.name != "compile"]
+    stages = [s.name for s in STAGES if s.name not in ("compile", "serving", "padding")]
     run = gpu_check("--device", "cpu", "--stages", *stages, timeout=540)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
     assert verdicts(run.stdout) == dict.fromkeys(stages, "PASS"), run.stdout[-6000:]
