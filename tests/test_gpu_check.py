@@ -1,9 +1,10 @@
 """scripts/gpu_check.sh cannot rot between GPU runs: every stage's CPU variant (tiny shapes, Triton's
-interpreter, gloo) passes here but those whose CPU variants other tests already run: compile's
-(`compare` with --enable-torch-compile: tests/test_compile.py, in more layouts), serving's
-(bench.serving against the transformers baseline: tests/test_bench_serving.py) and padding's (the
-modes under even and uneven loads: tests/test_padding.py); and without a GPU the script skips every
-stage, saying why, and exits 0 in seconds."""
+interpreter, gloo) passes here but those whose CPU variants other tests already run (each stage's
+code is the shared `compare`, `run` and bench functions the others use): compile's
+(tests/test_compile.py), serving's (tests/test_bench_serving.py), padding's (tests/test_padding.py),
+nextn's (tests/test_nextn.py), tp2_dp2's (tests/test_parity.py) and expert_parallel's
+(tests/test_ep.py); and without a GPU the script skips every stage, saying why, and exits 0 in
+seconds."""
 
 from __future__ import annotations
 
@@ -46,7 +47,8 @@ def test_without_a_gpu_every_stage_is_skipped_in_seconds():
 
 def test_every_stage_passes_its_cpu_variant(engine_cache):
     engine_cache.close()  # two cores: the stages start their own engines
-    stages = [s.name for s in STAGES if s.name not in ("compile", "serving", "padding")]
+    covered = ("compile", "serving", "padding", "nextn", "tp2_dp2", "expert_parallel")
+    stages = [s.name for s in STAGES if s.name not in covered]
     run = gpu_check("--device", "cpu", "--stages", *stages, timeout=540)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
     assert verdicts(run.stdout) == dict.fromkeys(stages, "PASS"), run.stdout[-6000:]

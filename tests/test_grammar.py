@@ -289,7 +289,7 @@ def one_rank_outputs(engine_cache, model_dirs):
     return _layout_outputs(engine_for(engine_cache, model_dirs, "deepseek_v2", 1, 1))
 
 
-@pytest.mark.parametrize("tp,dp", [(2, 2), (4, 2)])
+@pytest.mark.parametrize("tp,dp", [(2, 2)])  # masks apply on each group's leader, whatever the TP
 def test_greedy_constrained_outputs_are_the_same_in_every_layout(
     engine_cache, model_dirs, one_rank_outputs, tp, dp
 ):

@@ -169,8 +169,7 @@ LAYOUTS = [
         2,
         [
             {},
-            dict(ep_size=2),
-            dict(ep_size=2, moe_a2a_backend="all_to_all"),
+            dict(ep_size=2, moe_a2a_backend="all_to_all"),  # EP's dispatch (none's is TP MoE's gather)
         ],
     ),
 ]
