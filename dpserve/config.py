@@ -14,7 +14,7 @@ import torch
 
 from dpserve.distributed import Topology
 from dpserve.grammar import GRAMMAR_BACKENDS
-from dpserve.memory import DEFAULT_MEM_FRACTION_STATIC
+from dpserve.memory import DEFAULT_MEM_FRACTION_STATIC, pool_tokens
 
 PADDING_MODES = ("auto", "sum_len", "max_len")
 REASONING_PARSERS = ("deepseek-r1", "qwen3")  # dpserve/server/reasoning.py
@@ -456,10 +456,14 @@ class EngineConfig:
         """Prompt tokens one DP group prefills per step."""
         return self._per_group(self.chunked_prefill_size, DEFAULT_CHUNK_PER_GROUP)
 
-    def window_floor(self, window: int) -> int:
-        """The fewest window slots a group's hybrid sliding-window pool works with: every running
-        request's last `window` positions and drafts, and one chunk."""
-        return self.running_per_group * (window + self.num_drafts) + self.chunk_per_group
+    def kv_pool_sizes(self, budget: int, full_bytes: int, window_bytes: int, window: int) -> tuple[int, int]:
+        """(full, window) pool tokens of one rank for a KV budget (`dpserve.memory.pool_tokens`; the
+        engine and the planner both call this); `window_bytes` 0: no hybrid pool. The window pool
+        never holds less than every running request's last `window` positions and drafts, and one
+        chunk."""
+        floor = self.running_per_group * (window + self.num_drafts) + self.chunk_per_group
+        ratio = self.swa_full_tokens_ratio
+        return pool_tokens(budget, full_bytes, window_bytes, self.max_total_tokens, ratio, floor)
 
     def _per_group(self, value: int | None, default: int) -> int:
         """An instance's budget as SGLang splits it: divided evenly among the groups of DP attention,

@@ -12,8 +12,9 @@ that a long prefill never runs out of memory:
     kv_budget = total x mem_fraction_static - weights - activation_peak
 
 On the CPU the budget is `kv_cache_memory_gb` (default CPU_DEFAULT_KV_GB). `--max-total-tokens`
-overrides every budget. The engine sizes its pool with `kv_pool_tokens(kv_budget_bytes(...))` and
-the planner predicts it with the very same calls, so the two cannot disagree. All ranks of an
+overrides every budget. The engine sizes its pools with `EngineConfig.kv_pool_sizes(kv_budget_bytes(...),
+...)` (`pool_tokens`: `kv_pool_tokens`, or `swa_pool_tokens` for a hybrid sliding-window pool) and
+the planner predicts them with the very same calls, so the two cannot disagree. All ranks of an
 instance then agree on the smallest pool (`agree_min`), so every rank of a group holds the same.
 """
 

@@ -9,6 +9,7 @@ the new tokens' KV to the pool before attention reads it.
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from itertools import accumulate
@@ -34,6 +35,11 @@ class AttentionMetadata:
     @property
     def batch_size(self) -> int:
         return self.req_idx.shape[0]
+
+    def on_table(self, req_to_token: torch.Tensor) -> AttentionMetadata:
+        """The same requests read through another request-to-slot table (the hybrid pool's window
+        layers), with a state of their own for the backend's prepare()."""
+        return dataclasses.replace(self, req_to_token=req_to_token, state={})
 
     def token_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(each new token's request, its index among that request's new tokens), on the device."""

@@ -25,8 +25,7 @@ class TritonBackend(AttentionBackend):
     def gqa(self, q, k_cache, v_cache, meta, scale, window=0, sinks=None):
         return self._attend(q, k_cache, v_cache, meta, scale, window, sinks)
 
-    def index_scores(self, q, weights, keys, table, token_req, q_pos, seq_lens, scale):
-        return index_scores(q, weights, keys, table, token_req, q_pos, seq_lens, scale)
+    index_scores = staticmethod(index_scores)  # the indexer's kernel, reading keys by slot
 
     def _attend(
         self,

@@ -87,7 +87,7 @@ class ForwardBatch:
         if window is not None:
             if window[2][0]:
                 window[0][t["window_rows"], t["window_cols"]] = t["window_slots"].int()
-            window_attn = AttentionMetadata(**{**attn.__dict__, "req_to_token": window[0], "state": {}})
+            window_attn = attn.on_table(window[0])
         return cls(
             t["input_ids"],
             t["positions"],

@@ -20,7 +20,6 @@ from dpserve.memory import (
     moe_chunk_rows,
     param_bytes,
     pool_token_bytes,
-    pool_tokens,
 )
 from dpserve.models.config import ModelConfig
 from dpserve.models.registry import build_model
@@ -281,13 +280,8 @@ def layout_memory(
         out.activation_bytes,
     )
     try:
-        out.kv_tokens_per_group, out.window_tokens_per_group = pool_tokens(
-            out.kv_budget_bytes,
-            out.kv_bytes_per_token,
-            out.window_bytes_per_token,
-            cfg.max_total_tokens,
-            cfg.swa_full_tokens_ratio,
-            cfg.window_floor(window),
+        out.kv_tokens_per_group, out.window_tokens_per_group = cfg.kv_pool_sizes(
+            out.kv_budget_bytes, out.kv_bytes_per_token, out.window_bytes_per_token, window
         )
         if window:
             out.tokens_without_hybrid = kv_pool_tokens(

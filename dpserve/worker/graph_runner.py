@@ -83,11 +83,7 @@ class CudaGraphRunner:
         attn = AttentionMetadata(
             self.req_to_token, self.req_idx[:n], self.seq_lens[:n], self.q_start[: n + 1], n, 1, self.kv_len
         )
-        window_attn = None
-        if self.req_to_window is not None:
-            window_attn = AttentionMetadata(
-                **{**attn.__dict__, "req_to_token": self.req_to_window, "state": {}}
-            )
+        window_attn = attn.on_table(self.req_to_window) if self.req_to_window is not None else None
         return ForwardBatch(
             input_ids=self.input_ids[:n],
             positions=self.positions[:n],

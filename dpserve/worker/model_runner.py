@@ -18,7 +18,7 @@ from dpserve.config import EngineConfig
 from dpserve.distributed import SENT, Groups, all_reduce
 from dpserve.kvcache.pool import KVPool
 from dpserve.layers.linear import pack_linears_for_cpu
-from dpserve.memory import agree_min, kv_budget_bytes, param_bytes, pool_token_bytes, pool_tokens
+from dpserve.memory import agree_min, kv_budget_bytes, param_bytes, pool_token_bytes
 from dpserve.models.base import CausalLM
 from dpserve.models.batch import ForwardBatch
 from dpserve.models.config import ModelConfig
@@ -161,14 +161,7 @@ class ModelRunner:
             # Never more than is free now (another process may hold part of the device).
             free = torch.cuda.mem_get_info(self.device)[0]
             budget = min(budget, free - self.activation_bytes)
-        return pool_tokens(
-            budget,
-            self.kv_bytes_per_token,
-            self.window_bytes_per_token,
-            cfg.max_total_tokens,
-            cfg.swa_full_tokens_ratio,
-            cfg.window_floor(self.window),
-        )
+        return cfg.kv_pool_sizes(budget, self.kv_bytes_per_token, self.window_bytes_per_token, self.window)
 
     def _measure_activation_peak(self) -> int:
         """Peak memory of a warm-up forward of the largest step the scheduler can form, in every DP
