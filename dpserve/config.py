@@ -291,6 +291,33 @@ class EngineConfig:
         "required or a named function need no parser: a grammar writes the calls",
         choices=TOOL_CALL_PARSERS,
     )
+    disaggregation_mode: str = option(
+        "null",
+        "prefill-decode disaggregation (behind sglang-router --pd-disaggregation): prefill runs each "
+        "request's prompt and first token and writes its KV into the decode instance that asked for it "
+        "(bootstrap_host/port/room of the request); decode reserves the KV, waits for it and decodes; "
+        "null serves both phases here",
+        choices=("null", "prefill", "decode"),
+        section="prefill-decode disaggregation",
+    )
+    disaggregation_bootstrap_port: int = option(
+        8998,
+        "prefill: the port of its bootstrap endpoint, where decode instances say where to write a "
+        "request's KV (the router's --prefill URL BOOTSTRAP_PORT)",
+        positive=True,
+    )
+    disaggregation_transfer_backend: str = option(
+        "mooncake",
+        "what moves the KV: mooncake (Mooncake's transfer engine: TCP between hosts on the CPU wheel, "
+        "RDMA or NVLink on the CUDA one); nixl is SGLang's other backend, not built here (refused)",
+        choices=("mooncake", "nixl"),
+    )
+    disaggregation_timeout: float = option(
+        60.0,
+        "seconds a request waits for its other half: a prefill request for the decode instance's "
+        "slots, a decode request for its KV; past it the request fails (503 on decode) naming the side "
+        "that did not come",
+    )
     nnodes: int = option(1, "number of nodes the ranks are spread over", positive=True, section="multi-node")
     node_rank: int = option(0, "this node's index; node 0 runs the front end")
     dist_init_addr: str | None = option(
@@ -368,6 +395,18 @@ class EngineConfig:
                 f"balance thresholds must be >= 0 tokens and >= 1.0, got {self.balance_abs_threshold} "
                 f"and {self.balance_rel_threshold}"
             )
+        if self.disaggregation_transfer_backend != "mooncake":
+            raise ValueError(
+                f"disaggregation_transfer_backend={self.disaggregation_transfer_backend} is not built; "
+                "dpserve moves KV with mooncake"
+            )
+        if self.disaggregation_mode == "decode" and self.speculative_algorithm == "NEXTN":
+            raise ValueError(
+                "speculative_algorithm=NEXTN on a decode instance needs the prompt's last hidden state, "
+                "which the prefill instance does not send; use NGRAM or none"
+            )
+        if self.disaggregation_timeout <= 0:
+            raise ValueError(f"disaggregation_timeout must be > 0, got {self.disaggregation_timeout}")
         if self.speculative_algorithm is not None:
             if self.speculative_num_draft_tokens is None:
                 self.speculative_num_draft_tokens = self.speculative_num_steps + 1
@@ -401,6 +440,11 @@ class EngineConfig:
                 "with disable_cuda_graph (no padded decode steps)",
             ),
             (("torch_compile_max_bs",), not self.enable_torch_compile, "without enable_torch_compile"),
+            (
+                ("disaggregation_bootstrap_port", "disaggregation_timeout"),
+                self.disaggregation_mode == "null",
+                "with disaggregation_mode=null",
+            ),
         ]
         return [
             f"{name}={getattr(self, name)!r} does nothing {why}"

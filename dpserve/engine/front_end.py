@@ -16,13 +16,14 @@ import uuid
 from dataclasses import dataclass, field
 
 from dpserve.config import EngineConfig
+from dpserve.disagg.bootstrap import PrefillBootstrap
 from dpserve.engine.router import Router
 from dpserve.engine.worker_pool import WorkerPool, prepared
 from dpserve.grammar import check_grammar
 from dpserve.models.config import ModelConfig
 from dpserve.models.loader import CheckpointReader
 from dpserve.sampling_params import SamplingParams
-from dpserve.scheduler.request import GenerateRequest, check_request
+from dpserve.scheduler.request import Bootstrap, GenerateRequest, check_request
 from dpserve.worker.loop import RANK_FIGURES
 
 logger = logging.getLogger("dpserve")
@@ -40,6 +41,7 @@ class RequestState:
     cached_tokens: int = 0  # prompt tokens its group found in the prefix cache (known at admission)
     new: list[tuple[int, float, list]] = field(default_factory=list)  # (token, logprob, top) not taken yet
     output: dict | None = None  # the worker's final output: the request is done
+    room: int | None = None  # prefill-decode disaggregation: its bootstrap room
 
 
 def load_model_config(cfg: EngineConfig) -> ModelConfig:
@@ -66,13 +68,30 @@ class FrontEnd:
         self.counters = {"requests": 0, "prompt_tokens": 0, "generation_tokens": 0, "aborted": 0}
         self.requests: dict[str, RequestState] = {}
         self.replies: dict[int, object] = {}  # group leaders' answers to `ask`
+        self.rooms: dict[int, str] = {}  # prefill-decode disaggregation: bootstrap room -> request
+        self.bootstrap = None
+        if cfg.disaggregation_mode == "prefill":
+            try:
+                self.bootstrap = PrefillBootstrap(
+                    cfg.disaggregation_bootstrap_port, cfg.disaggregation_timeout, self.workers.collector
+                )
+            except ValueError:
+                self.workers.shutdown()
+                raise
         self._log_ready()
 
-    def check(self, input_ids: list[int], params: SamplingParams, dp_rank: int | None = None) -> None:
+    def check(
+        self,
+        input_ids: list[int],
+        params: SamplingParams,
+        dp_rank: int | None = None,
+        bootstrap: Bootstrap | None = None,
+    ) -> None:
         """Raises ValueError, naming the numbers, for a request that can never run."""
         m = self.model_cfg
         if dp_rank is not None:
             self.router.check_pin(dp_rank)
+        self._check_bootstrap(bootstrap)
         check_request(input_ids, params, m.vocab_size, m.context_len, self.kv_capacity)
         check_grammar(params, self.cfg.grammar_backend)
 
@@ -83,27 +102,55 @@ class FrontEnd:
         return_logprob: bool = False,
         dp_rank: int | None = None,
         grammar_after: int | None = None,
+        bootstrap: Bootstrap | None = None,
     ) -> RequestState:
         """Checks, routes and sends one sequence; its state fills in as the workers report.
-        `grammar_after`: the token after which the request's grammar applies (reasoning's end)."""
-        self.check(input_ids, params, dp_rank)
+        `grammar_after`: the token after which the request's grammar applies (reasoning's end);
+        `bootstrap`: its other half under prefill-decode disaggregation."""
+        self.check(input_ids, params, dp_rank, bootstrap)
         rid = uuid.uuid4().hex
+        if self.bootstrap is not None:  # prefill: the prompt and its first token, then the KV moves
+            params = dataclasses.replace(
+                params, max_new_tokens=1, min_new_tokens=min(params.min_new_tokens, 1)
+            )
         group = self.router.route(rid, input_ids, params.max_new_tokens, dp_rank)
         state = RequestState(rid, group, len(input_ids))
         self.requests[rid] = state
         self.counters["requests"] += 1
         self.counters["prompt_tokens"] += len(input_ids)
-        self.workers.send(
-            group, GenerateRequest(rid, list(input_ids), params, return_logprob, grammar_after), wake_all=True
-        )
+        if bootstrap is not None:
+            state.room = bootstrap.room
+            self.rooms[bootstrap.room] = rid
+            if self.bootstrap is not None:
+                self.bootstrap.add(bootstrap.room, rid)
+        msg = GenerateRequest(rid, list(input_ids), params, return_logprob, grammar_after, bootstrap)
+        self.workers.send(group, msg, wake_all=True)
         return state
 
-    def abort(self, rid: str) -> None:
+    def _check_bootstrap(self, bootstrap: Bootstrap | None) -> None:
+        mode = self.cfg.disaggregation_mode
+        if mode == "null" and bootstrap is not None:
+            raise ValueError(
+                "bootstrap_room is for prefill-decode disaggregation; this server runs with "
+                "--disaggregation-mode null"
+            )
+        if mode != "null" and bootstrap is None:
+            raise ValueError(
+                f"this is a {mode} instance of prefill-decode disaggregation: requests come through the "
+                "PD router, with bootstrap_host, bootstrap_port and bootstrap_room"
+            )
+        if bootstrap is not None:
+            if bootstrap.room in self.rooms:
+                raise ValueError(f"bootstrap_room {bootstrap.room} is already in use on this {mode} instance")
+            if self.bootstrap is not None:
+                self.bootstrap.check(bootstrap.room)
+
+    def abort(self, rid: str, message: str = "aborted") -> None:
         """Asks the request's group to stop it and free its KV (its final output still arrives)."""
         state = self.requests.get(rid)
         if state is not None and state.output is None and not self.workers.closed:
             self.counters["aborted"] += 1
-            self.workers.send(state.dp_rank, {"type": "abort", "rid": rid})
+            self.workers.send(state.dp_rank, {"type": "abort", "rid": rid, "message": message})
 
     def release(self, rid: str) -> None:
         """Forgets a request (finished, or given up by its caller)."""
@@ -115,7 +162,14 @@ class FrontEnd:
         return self.workers.recv(timeout_ms)
 
     def apply(self, msg: dict) -> list[RequestState]:
-        """Applies a worker message; returns the requests it changed."""
+        """Applies a worker message (or the bootstrap endpoint's); returns the requests it changed."""
+        if msg["type"] in ("kv_dest", "room_cancel"):
+            state = self.requests.get(msg["rid"])
+            if state is not None and msg["type"] == "kv_dest":
+                self.workers.send(state.dp_rank, msg)
+            elif state is not None:
+                self.abort(msg["rid"], msg.get("message", "the decode side gave the request up"))
+            return []
         if msg["type"] in ("step_log", "expert_load"):
             self.replies[msg["dp_rank"]] = msg["steps" if msg["type"] == "step_log" else "load"]
             return []
@@ -140,7 +194,30 @@ class FrontEnd:
             if state is not None:
                 state.output = output
                 touched[output["rid"]] = state
+                if state.room is not None:
+                    self._room_done(state.room, output)
         return list(touched.values())
+
+    def _room_done(self, room: int, output: dict) -> None:
+        """Prefill: tells the decode side the room's first token, or why there is none."""
+        self.rooms.pop(room, None)
+        if self.bootstrap is None:
+            return
+        reason = output["finish_reason"]
+        if reason["type"] == "abort":
+            self.bootstrap.done(
+                room, {"error": f"the prefill instance failed the request: {reason['message']}"}
+            )
+            return
+        logprobs, tops = output["output_token_logprobs"], output["output_top_logprobs"]
+        self.bootstrap.done(
+            room,
+            {
+                "token": output["output_ids"][0],
+                "logprob": logprobs[0] if logprobs else 0.0,
+                "top": [list(t) for t in tops[0]] if tops else [],
+            },
+        )
 
     def ask(self, what: str) -> list:
         """Every group leader's reply to `get_{what}` (step_log, expert_load), in DP-rank order;
@@ -203,6 +280,8 @@ class FrontEnd:
         }
 
     def shutdown(self) -> None:
+        if self.bootstrap is not None:
+            self.bootstrap.close()
         self.workers.shutdown()
 
     def _log_ready(self) -> None:

@@ -198,6 +198,7 @@ class WorkerPool:
             sock = self._zmq.socket(zmq.PUSH)
             sock.bind(addr)
             self._requests.append(sock)
+        self.collector = connect.outputs  # where others may report to the front end too
         self.procs = start_ranks(cfg, connect)
         self.closed = False
         ready: dict[int, dict] = {}

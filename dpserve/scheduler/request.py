@@ -11,6 +11,17 @@ from dpserve.kvcache.radix_cache import Node
 from dpserve.sampling_params import SamplingParams
 
 
+@dataclass(frozen=True)
+class Bootstrap:
+    """Prefill-decode disaggregation: where a request's other half is, the prefill instance's
+    bootstrap host and port, and the room both halves carry (the PD router's bootstrap_host,
+    bootstrap_port and bootstrap_room)."""
+
+    host: str
+    port: int
+    room: int
+
+
 @dataclass
 class GenerateRequest:
     """What the front end sends to a DP group's scheduler."""
@@ -20,6 +31,7 @@ class GenerateRequest:
     params: SamplingParams
     return_logprob: bool = False
     grammar_after: int | None = None  # the token (reasoning's end) after which its grammar applies
+    bootstrap: Bootstrap | None = None  # prefill-decode disaggregation: its other half
 
 
 @dataclass
@@ -53,6 +65,10 @@ class Req:
     compiled: Future | None = None
     matcher: Matcher | None = None
     grammar_after: int | None = None  # the grammar applies after this token (None: it does now)
+    # Prefill-decode disaggregation: its other half; on a decode instance, whether its slots are
+    # reserved and wait for the prefill instance's KV.
+    bootstrap: Bootstrap | None = None
+    awaiting: bool = False
 
     @property
     def kv_len(self) -> int:

@@ -36,7 +36,7 @@ from dpserve.kvcache.radix_cache import RadixTree
 from dpserve.kvcache.window import WindowSlots
 from dpserve.scheduler.request import GenerateRequest, Req, check_request, max_kv_len
 from dpserve.speculative.ngram import propose_ngram
-from dpserve.step.records import BatchReq, DraftBatch, DraftReq, GroupBatch
+from dpserve.step.records import BatchReq, DraftBatch, DraftReq, GroupBatch, KVSend
 from dpserve.worker.sampler import GrammarMask, Penalties, TokenCounts
 
 logger = logging.getLogger(__name__)
@@ -81,6 +81,7 @@ class Scheduler:
         grammars: GrammarCache | None = None,  # structured output; None: --grammar-backend none
         window: int = 0,  # the hybrid sliding-window pool's window (0: no such pool)
         window_capacity: int = 0,  # its slots
+        disaggregation: str = "null",  # prefill-decode disaggregation: this instance's role
     ):
         self.dp_rank, self.device, self.num_drafts = dp_rank, torch.device(device), num_drafts
         self.nextn = num_drafts > 0 and speculative_algorithm == "NEXTN"
@@ -94,6 +95,16 @@ class Scheduler:
         self.grammars = grammars
         self.tree = RadixTree() if radix_cache else None
         self.windows = WindowSlots(window_capacity, window) if window else None
+        self.disaggregation = disaggregation
+        # Prefill: requests whose first token is out, holding their KV until it is written to the
+        # decode side (with the finish reason they then report), and where each one's KV goes.
+        self.sending: dict[str, tuple[Req, dict]] = {}
+        self.destinations: dict[str, dict] = {}
+        self._sends: list[str] = []  # the last batch's sends, by request
+        # Decode: requests whose slots this step reserved (their destination goes to the prefill
+        # side), and slots of ended requests the prefill side may still write into.
+        self.reserved: list[Req] = []
+        self.limbo: dict[str, list[int]] = {}
         self.free_rows = list(range(max_running, 0, -1))  # row 0 is the padding row
         self.seeds = random.Random(seed + dp_rank)  # of requests without their own
         self.token_counts = TokenCounts(vocab_size, max_running, self.device)  # for penalties
@@ -133,6 +144,8 @@ class Scheduler:
         max_len = max_kv_len(len(msg.input_ids), msg.params, self.context_len)
         req = Req(msg.rid, msg.input_ids, msg.params, msg.return_logprob, max_len, seed)
         req.grammar_after = msg.grammar_after
+        req.bootstrap = msg.bootstrap
+        req.awaiting = msg.bootstrap is not None and self.disaggregation == "decode"
         key = grammar_key(msg.params)
         if key is not None:
             if self.grammars is None:
@@ -143,17 +156,68 @@ class Scheduler:
         self.waiting.append(req)
         return None
 
-    def abort(self, rid: str) -> dict | None:
-        for req in [*self.waiting, *self.running]:
+    def abort(self, rid: str, message: str = "aborted") -> dict | None:
+        for req in [*self.waiting, *self.running, *(r for r, _ in self.sending.values())]:
             if req.rid == rid:
-                return self._finish(req, {"type": "abort", "message": "aborted"})
+                return self._finish(req, {"type": "abort", "message": message})
         return None
+
+    # --- prefill-decode disaggregation -----------------------------------------------------------
+
+    def set_destination(self, rid: str, dest: dict) -> None:
+        """Prefill: where `rid`'s KV goes (written once its first token is out)."""
+        if rid in self.sending or any(r.rid == rid for r in [*self.waiting, *self.running]):
+            self.destinations[rid] = dest
+
+    def sent(self, errors: list[str | None]) -> list[dict]:
+        """Prefill: the last batch's sends are done (or failed: their error); their requests end."""
+        out = []
+        for rid, error in zip(self._sends, errors, strict=True):
+            self.destinations.pop(rid, None)
+            if rid not in self.sending:
+                continue
+            req, reason = self.sending[rid]
+            if error is not None:
+                reason = {"type": "abort", "message": f"writing the KV failed: {error}", "status_code": 500}
+            out.append(self._finish(req, reason))
+        self._sends = []
+        return out
+
+    def kv_arrived(self, rid: str, token: int, logprob: float, top: list) -> tuple[list, list[dict]]:
+        """Decode: the prefill side wrote `rid`'s prompt KV and sampled `token`: it decodes from its
+        next step. Returns its token as process_samples does, and its output if that token ends it."""
+        req = next((r for r in self.running if r.rid == rid and r.awaiting), None)
+        if req is None:
+            return [], []
+        req.awaiting = False
+        req.prefix_pending = True  # its next step writes the prompt's slots into its table row
+        if self.tree is not None:
+            self._cache(req)
+        top = [tuple(t) for t in top]
+        reason = self._take_token(req, token, logprob, top)
+        self.counters["generated_tokens"] += 1
+        if reason is not None:
+            return [(rid, token, logprob, top)], [self._finish(req, reason)]
+        if req.rid in self.token_counts.rows:
+            self.token_counts.add([rid], [token])
+        return [(rid, token, logprob, top)], []
+
+    def kv_failed(self, rid: str, message: str) -> dict | None:
+        """Decode: `rid`'s KV will not come; it fails with 503 naming why."""
+        req = next((r for r in self.running if r.rid == rid and r.awaiting), None)
+        if req is None:
+            return None
+        return self._finish(req, {"type": "abort", "message": message, "status_code": 503})
+
+    def free_limbo(self, rid: str) -> None:
+        """Decode: the prefill side will not write into the ended request `rid`'s slots any more."""
+        self.allocator.free(self.limbo.pop(rid))
 
     # --- scheduling ------------------------------------------------------------------------------
 
     def schedule(self) -> GroupBatch:
-        self.step_retractions, self.admitted, self.failed = 0, [], []
-        decoding = self._make_room([r for r in self.running if r.prefill_done])
+        self.step_retractions, self.admitted, self.failed, self.reserved = 0, [], [], []
+        decoding = self._make_room([r for r in self.running if r.prefill_done and not r.awaiting])
         batch, self._step_reqs, self._prefilled = GroupBatch(), [], []
         self._batch = batch
         self.draft_batch, self._drafting = DraftBatch(), []
@@ -161,13 +225,17 @@ class Scheduler:
         for req in [r for r in self.running if not r.prefill_done]:  # a chunked prompt continues first
             budget -= self._add_chunk(batch, req, budget, reserved=len(decoding))
         for req in list(self.waiting):  # in order; those whose grammar is being compiled wait aside
-            if budget <= 0 or len(self.running) >= self.max_running:
+            if budget <= 0 or len(self.running) + len(self.sending) >= self.max_running:
                 break
             if not self._grammar_ready(req):
                 continue
             if not self._admit(req, reserved=len(decoding)):
                 break
             self.waiting.remove(req)
+            if req.awaiting:  # decode: its prompt's slots, for the prefill side to fill
+                req.slots = self._alloc(req.prefill_len)
+                self.reserved.append(req)
+                continue
             budget -= self._add_chunk(batch, req, budget, reserved=len(decoding))
         spare = self.available - len(decoding)
         for req in decoding:
@@ -176,13 +244,17 @@ class Scheduler:
             slots = self._alloc(1 + len(req.drafts))
             tokens = [req.output_ids[-1], *req.drafts]
             window = self.windows.acquire(slots) if self.windows else []
+            prefix = list(req.slots) if req.prefix_pending else []  # KV the prefill instance wrote
+            req.prefix_pending = False
             batch.reqs.append(
-                BatchReq(req.row, req.kv_len, tokens, slots, True, verify=bool(req.drafts), window=window)
+                BatchReq(req.row, req.kv_len, tokens, slots, True, prefix, bool(req.drafts), window)
             )
             self._step_reqs.append(req)
             req.slots += slots
             req.spec_verify_ct += self.num_drafts > 0
             self.counters["spec_verify_steps"] += self.num_drafts > 0
+        self._sends = [rid for rid in self.sending if rid in self.destinations]
+        batch.sends = [KVSend(self.sending[rid][0].slots, self.destinations[rid]) for rid in self._sends]
         if self._prefilled:
             batch.mode = "extend"
         elif decoding:
@@ -249,7 +321,7 @@ class Scheduler:
         """Retracts running requests until every request in `decoding` can get its slot this step;
         returns those still running."""
         while self.available < len(decoding):
-            victims = [r for r in self.running if not r.protected]
+            victims = [r for r in self.running if not r.protected and not r.awaiting]
             if not victims:  # protected requests' whole needs fit the pool together (see _admit)
                 raise RuntimeError(f"dp_rank {self.dp_rank}: {len(decoding)} decode slots cannot be found")
             victim = min(victims, key=lambda r: (len(r.output_ids), -len(r.input_ids)))
@@ -268,7 +340,7 @@ class Scheduler:
             req.protected = True
         req.prefill_len = len(req.input_ids) + len(req.output_ids)
         node, cached = None, []
-        if self.tree is not None:
+        if self.tree is not None and not req.awaiting:
             # At least one token is left to prefill: its logits give the next token.
             cached, node, _ = self.tree.match_prefix(req.fill_ids[: req.prefill_len - 1])
             if self.nextn:
@@ -365,9 +437,12 @@ class Scheduler:
         )
 
     def _release(self, req: Req) -> None:
-        """Gives back what an admitted request holds; its KV stays in the prefix cache."""
+        """Gives back what an admitted request holds; its KV stays in the prefix cache. A decode
+        request still awaiting its KV leaves its slots in limbo: the prefill side may be writing."""
         self._trim_window(req, req.kv_len)
-        if self.tree is not None:
+        if req.awaiting:
+            self.limbo[req.rid] = req.slots
+        elif self.tree is not None:
             self._cache(req)
             self.tree.unlock(req.node)
             if self.windows is not None:
@@ -471,24 +546,9 @@ class Scheduler:
         for req, toks, lps, tops, error in steps:
             reason, emitted = None, 0
             for tok, lp, top in zip(toks, lps, tops, strict=True):
-                req.output_ids.append(tok)
-                req.logprobs.append(lp)
-                req.top_logprobs.append(top)
                 new.append((req.rid, tok, lp, top))
                 emitted += 1
-                reason = self._finish_reason(req, tok)
-                if req.matcher is not None and req.grammar_after is not None:
-                    if tok == req.grammar_after:  # the reasoning ended: the grammar applies from here
-                        req.grammar_after = None
-                elif req.matcher is not None:
-                    if not req.matcher.accept(tok):  # the mask allowed it: never, unless a bug
-                        reason = {
-                            "type": "abort",
-                            "message": f"token {tok} breaks the grammar",
-                            "status_code": 500,
-                        }
-                    elif reason is None and req.matcher.terminated:  # complete, and no stop token to wait for
-                        reason = {"type": "stop", "matched": None}
+                reason = self._take_token(req, tok, lp, top)
                 if reason is not None:
                     break
             if reason is None and error is not None:
@@ -504,6 +564,11 @@ class Scheduler:
                 self.allocator.free(req.slots[-rejected:])
                 del req.slots[-rejected:]
             req.drafts = []
+            held = req.bootstrap is not None and self.disaggregation == "prefill"
+            if reason is not None and held and reason["type"] != "abort":  # its KV goes to decode first
+                self.running.remove(req)
+                self.sending[req.rid] = (req, reason)
+                continue
             if reason is not None:
                 finished.append(self._finish(req, reason))
             elif req.rid in self.token_counts.rows:
@@ -517,6 +582,22 @@ class Scheduler:
         if self.nextn:
             self._make_draft_batch()
         return new, finished
+
+    def _take_token(self, req: Req, tok: int, lp: float, top: list) -> dict | None:
+        """Appends a sampled token to `req`; returns the reason it ends there, if it does."""
+        req.output_ids.append(tok)
+        req.logprobs.append(lp)
+        req.top_logprobs.append(top)
+        reason = self._finish_reason(req, tok)
+        if req.matcher is not None and req.grammar_after is not None:
+            if tok == req.grammar_after:  # the reasoning ended: the grammar applies from here
+                req.grammar_after = None
+        elif req.matcher is not None:
+            if not req.matcher.accept(tok):  # the mask allowed it: never, unless a bug
+                reason = {"type": "abort", "message": f"token {tok} breaks the grammar", "status_code": 500}
+            elif reason is None and req.matcher.terminated:  # complete, and no stop token to wait for
+                reason = {"type": "stop", "matched": None}
+        return reason
 
     def _make_draft_batch(self) -> None:
         """The MTP rows after this step: every position it kept, paired with the token after it."""
@@ -540,7 +621,7 @@ class Scheduler:
         cached = self.tree.size if self.tree else 0
         c = self.counters
         return {
-            "running": len(self.running),
+            "running": len(self.running) + len(self.sending),
             "queued": len(self.waiting),
             "kv_used": self.kv_capacity - self.available,
             "kv_free": self.allocator.num_free,
@@ -568,6 +649,10 @@ class Scheduler:
         if req in self.running:
             self._release(req)
             self.running.remove(req)
+        elif req.rid in self.sending:
+            del self.sending[req.rid]
+            self.destinations.pop(req.rid, None)
+            self._release(req)
         elif req in self.waiting:
             self.waiting.remove(req)
         return self._output(req, reason)

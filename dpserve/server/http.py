@@ -256,9 +256,12 @@ async def native_generate(tm: TokenizerManager, body: GenerateRequestBody, reque
         else [body.sampling_params] * len(prompts)
     )
     subs = []
-    for ids, raw in zip(prompts, per_prompt, strict=True):
+    boots = tm.bootstraps(body, len(prompts))
+    for ids, raw, boot in zip(prompts, per_prompt, boots, strict=True):
         params, stop = _native_params(raw, body)
-        subs.append(Submission(list(ids), params, stop, body.return_logprob, body.data_parallel_rank))
+        subs.append(
+            Submission(list(ids), params, stop, body.return_logprob, body.data_parallel_rank, bootstrap=boot)
+        )
     for sub in subs:
         tm.check(sub)
     streams = [tm.generate(s) for s in subs]

@@ -58,6 +58,7 @@ class OpenAIServing:
         grammar_after: int | None = None,
     ):
         subs = []
+        boots = iter(self.tm.bootstraps(req, len(prompts) * req.n))
         for ids in prompts:
             max_new = max_tokens if max_tokens is not None else self.tm.default_max_tokens(len(ids))
             if req.min_tokens > max_new:
@@ -73,6 +74,7 @@ class OpenAIServing:
                         logprobs,
                         req.data_parallel_rank,
                         grammar_after,
+                        next(boots),
                     )
                 )
         for sub in subs:

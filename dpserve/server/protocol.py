@@ -30,6 +30,7 @@ from dpserve.sampling_params import (
     SamplingParams,
     check_stop_strings,
 )
+from dpserve.scheduler.request import Bootstrap
 from dpserve.server.tools import forced_schema
 
 T = TypeVar("T")
@@ -82,6 +83,43 @@ class _Strict(BaseModel):
         return set(cls.model_fields) | set(cls.NEUTRAL)
 
 
+Port = Annotated[int, Field(ge=1, le=65535)]
+Room = Annotated[int, Field(ge=0, le=INT64_MAX)]
+
+
+class _Disaggregated(_Strict):
+    """The fields the PD router (sglang-router --pd-disaggregation) adds: where the prefill
+    instance's bootstrap endpoint is and the room both halves share; lists for a batch's items."""
+
+    bootstrap_host: str | list[str] | None = None
+    bootstrap_port: Port | list[Port | None] | None = None
+    bootstrap_room: Room | list[Room] | None = None
+
+    def bootstraps(self, count: int, default_port: int) -> list[Bootstrap | None]:
+        """Each of `count` items' Bootstrap (None without a room); a port left out is `default_port`."""
+        if self.bootstrap_room is None:
+            return [None] * count
+        if not isinstance(self.bootstrap_room, list) and count > 1:
+            raise ValueError(f"one bootstrap_room for {count} sequences: each needs its own (a list)")
+
+        def items(name: str, value):
+            if not isinstance(value, list):
+                return [value] * count
+            if len(value) != count:
+                raise ValueError(f"{name} has {len(value)} entries for {count} prompts")
+            return value
+
+        hosts = items("bootstrap_host", self.bootstrap_host)
+        ports = items("bootstrap_port", self.bootstrap_port)
+        rooms = items("bootstrap_room", self.bootstrap_room)
+        if None in hosts:
+            raise ValueError("bootstrap_room needs bootstrap_host (the prefill instance's host)")
+        return [
+            Bootstrap(h, default_port if p is None else p, r)
+            for h, p, r in zip(hosts, ports, rooms, strict=True)
+        ]
+
+
 class ErrorDetail(BaseModel):
     message: str
     type: str
@@ -99,7 +137,7 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False  # no effect: usage comes once, at the end
 
 
-class _OpenAIRequest(_Strict):
+class _OpenAIRequest(_Disaggregated):
     NEUTRAL: ClassVar[dict[str, tuple]] = {
         "return_hidden_states": (False,),
         "lora_path": (None,),
@@ -429,7 +467,7 @@ class ChatCompletionRequest(_OpenAIRequest):
         return self.top_logprobs or 0
 
 
-class GenerateRequestBody(_Strict):
+class GenerateRequestBody(_Disaggregated):
     """Native /generate (SGLang's shape): text or input_ids, one or a batch."""
 
     model_config = ConfigDict(
@@ -462,9 +500,6 @@ class GenerateRequestBody(_Strict):
         "lora_path": (None,),
         "lora_id": (None,),
         "custom_logit_processor": (None,),
-        "bootstrap_host": (None,),
-        "bootstrap_port": (None,),
-        "bootstrap_room": (None,),
         "bootstrap_pair_key": (None,),
         "priority": (None,),
         "extra_key": (None,),

@@ -20,6 +20,7 @@ from dpserve.engine.front_end import FrontEnd, RequestState
 from dpserve.engine.worker_pool import WorkerFailure
 from dpserve.models.tokenizer import load_tokenizer
 from dpserve.sampling_params import SamplingParams
+from dpserve.scheduler.request import Bootstrap
 from dpserve.server.detokenizer import IncrementalDetokenizer
 from dpserve.server.metrics import ServerMetrics
 from dpserve.server.reasoning import END
@@ -47,6 +48,7 @@ class Submission:
     return_logprob: bool = False
     data_parallel_rank: int | None = None
     grammar_after: int | None = None  # the token after which its grammar applies (reasoning's end)
+    bootstrap: Bootstrap | None = None  # prefill-decode disaggregation: its other half
 
 
 @dataclass
@@ -162,12 +164,19 @@ class TokenizerManager:
         """The most new tokens a prompt can have: up to the context length or the KV pool."""
         return max(1, min(self.model_cfg.context_len, self.front.kv_capacity) - prompt_len)
 
+    def bootstraps(self, body, count: int) -> list[Bootstrap | None]:
+        """The PD router's bootstrap fields of `body` (a request model) for its `count` sequences."""
+        try:
+            return body.bootstraps(count, self.cfg.disaggregation_bootstrap_port)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+
     def check(self, sub: Submission) -> None:
         """Raises RequestError for a request that can never run; nothing has been sent yet."""
         if self.failure is not None:
             raise RequestError(f"the server is shutting down: {self.failure}", status=503)
         try:
-            self.front.check(sub.input_ids, sub.params, sub.data_parallel_rank)
+            self.front.check(sub.input_ids, sub.params, sub.data_parallel_rank, sub.bootstrap)
         except ValueError as e:
             raise RequestError(str(e)) from None
 
@@ -175,7 +184,12 @@ class TokenizerManager:
         """Streams one sequence's chunks. Leaving early (client gone, cancelled) aborts it."""
         self.check(sub)
         state = self.front.submit(
-            sub.input_ids, sub.params, sub.return_logprob, sub.data_parallel_rank, sub.grammar_after
+            sub.input_ids,
+            sub.params,
+            sub.return_logprob,
+            sub.data_parallel_rank,
+            sub.grammar_after,
+            sub.bootstrap,
         )
         stream = _Stream(state, IncrementalDetokenizer(self.tokenizer, sub.stop, sub.params))
         self._streams[state.rid] = stream

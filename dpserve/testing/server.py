@@ -88,9 +88,17 @@ class ServerProcess(ChildProcess):
 
 class RouterProcess(ChildProcess):
     """SGLang's router (`pip install sglang-router`) in front of `worker_urls`, on 127.0.0.1; ready
-    once its /readiness counts every worker healthy. `args` are more launch_router flags."""
+    once its /readiness counts every worker healthy. `args` are more launch_router flags. In PD
+    mode (`prefill`: (URL, bootstrap port) of each prefill instance) `worker_urls` are the decode
+    instances'."""
 
-    def __init__(self, worker_urls: list[str], *args: str, timeout: float = 120):
+    def __init__(
+        self,
+        worker_urls: list[str],
+        *args: str,
+        timeout: float = 120,
+        prefill: list[tuple[str, int]] | None = None,
+    ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1"]
@@ -102,14 +110,19 @@ class RouterProcess(ChildProcess):
             "--prometheus-port",
             str(free_port()),
         ]
-        super().__init__([*cmd, "--worker-urls", *worker_urls, *args])
+        if prefill is None:
+            cmd += ["--worker-urls", *worker_urls]
+        else:
+            cmd.append("--pd-disaggregation")
+            cmd += [a for url, port in prefill for a in ("--prefill", url, str(port))]
+            cmd += [a for url in worker_urls for a in ("--decode", url)]
+        super().__init__([*cmd, *args])
+        workers = len(worker_urls) + len(prefill or [])
         deadline = time.monotonic() + timeout
-        while self.healthy_workers() < len(worker_urls):
+        while self.healthy_workers() < workers:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.kill()
-                raise RuntimeError(
-                    f"the router did not see {len(worker_urls)} healthy workers:\n{self.output}"
-                )
+                raise RuntimeError(f"the router did not see {workers} healthy workers:\n{self.output}")
             time.sleep(POLL_S)
 
     def healthy_workers(self) -> int:

@@ -29,6 +29,8 @@ import zmq
 from tqdm import tqdm
 
 from dpserve.config import EngineConfig
+from dpserve.disagg.bootstrap import DecodeLink, local_host
+from dpserve.disagg.transfer import KVTransfer, PoolDescriptor
 from dpserve.distributed import Groups, init_groups
 from dpserve.grammar import GrammarCache
 from dpserve.models.config import ModelConfig
@@ -36,7 +38,7 @@ from dpserve.scheduler.request import GenerateRequest
 from dpserve.scheduler.scheduler import Scheduler
 from dpserve.step.exchange import exchange, share
 from dpserve.step.padding import calibrate
-from dpserve.step.records import MODES, GroupBatch, StepLayout
+from dpserve.step.records import MODES, GroupBatch, KVSend, StepLayout
 from dpserve.worker.drafter import NextNDrafter
 from dpserve.worker.model_runner import ModelRunner
 from dpserve.worker.sampler import sample
@@ -45,7 +47,9 @@ from dpserve.worker.sampler import sample
 # group's leader whenever a request arrives (`WorkerPool.send(..., wake_all=True)`), so the wait
 # only bounds how often an idle instance checks in, never a request's latency.
 IDLE_WAIT_MS = 500
-GRAMMAR_POLL_MS = 2  # the idle wait while a queued request's grammar compiles
+GRAMMAR_POLL_MS = (
+    2  # the idle wait while a queued request's grammar compiles (or a decode request's KV comes)
+)
 STEP_LOG_LEN = 100_000
 # The watchdog's signal to a live rank: write every thread's Python stack to stderr (the log).
 STACK_DUMP_SIGNAL = signal.SIGUSR1
@@ -223,6 +227,9 @@ class Worker:
                 model_cfg.context_len,
             )
         self.out, self.scheduler, self.requests = out, None, None
+        self.transfer, self.link, self.is_mla = None, None, model_cfg.is_mla
+        if cfg.disaggregation_mode != "null":
+            self._start_transfer(cfg)
         if topo.is_group_leader:
             self.scheduler = Scheduler(
                 self.dp_rank,
@@ -239,6 +246,7 @@ class Worker:
                 speculative_algorithm=cfg.speculative_algorithm or "NGRAM",
                 window=runner.window,
                 window_capacity=runner.window_tokens,
+                disaggregation=cfg.disaggregation_mode,
                 grammars=GrammarCache(
                     cfg.model_path,
                     model_cfg.vocab_size,
@@ -264,6 +272,19 @@ class Worker:
             {"type": "ready", "rank": rank, "dp_rank": self.dp_rank, **figures, "stats": self._stats()}
         )
 
+    def _start_transfer(self, cfg: EngineConfig) -> None:
+        """Prefill-decode disaggregation: every rank's pool is registered with the transfer engine;
+        a decode leader hands its group's descriptors to the prefill side with each request's slots."""
+        topo = self.groups.topo
+        self.transfer = KVTransfer(local_host())
+        local = self.transfer.register(self.runner.pool).to_json()
+        self.group_pools = [local]
+        if self.groups.attn_tp_cpu is not None:
+            self.group_pools = [None] * topo.attn_tp_size
+            torch.distributed.all_gather_object(self.group_pools, local, group=self.groups.attn_tp_cpu)
+        if topo.is_group_leader and cfg.disaggregation_mode == "decode":
+            self.link = DecodeLink(cfg.disaggregation_timeout)
+
     def serve(self) -> None:
         idle, shutdown = True, False
         while True:
@@ -273,15 +294,26 @@ class Worker:
             if self.scheduler is not None:  # 1. the leader schedules
                 self.report = StepReport(self.dp_rank)
                 wait_ms = 0
-                if idle:  # poll often while a queued grammar compiles: it may be ready any time
-                    wait_ms = GRAMMAR_POLL_MS if self.scheduler.compiling else IDLE_WAIT_MS
+                if (
+                    idle
+                ):  # poll often while a queued grammar compiles or KV is awaited: either may come any time
+                    busy = self.scheduler.compiling or (self.link is not None and self.link.busy)
+                    wait_ms = GRAMMAR_POLL_MS if busy else IDLE_WAIT_MS
                 shutdown |= self._drain(wait_ms=wait_ms)
+                if self.link is not None:
+                    self._hear_prefill()
                 batch = self.scheduler.schedule()
+                if self.link is not None:
+                    self._ask_prefill()
                 batch.shutdown = shutdown
                 self.report.cached = self.scheduler.admitted
                 if self.scheduler.failed:
                     self.report.add([], self.scheduler.failed)
             batch: GroupBatch = share(batch, self.groups)  # 2. the group shares it
+            if batch.sends:  # prefill: finished prompts' KV to their decode groups
+                errors = self._write_kv(batch.sends)
+                if self.scheduler is not None:
+                    self.report.add([], self.scheduler.sent(errors))
             sizes = exchange(batch.sizes(self.runner.policy.can_pad(batch)), self.groups)  # 3. all agree
             if any(s.shutdown for s in sizes):
                 break
@@ -296,8 +328,67 @@ class Worker:
         logger.info("shutting down")
         if self.scheduler is not None and self.scheduler.grammars is not None:
             self.scheduler.grammars.close()
+        if self.link is not None:
+            self.link.close()
+        if self.transfer is not None:
+            self.transfer.close()
         if self.groups.world is not None:
             torch.distributed.destroy_process_group()
+
+    def _hear_prefill(self) -> None:
+        """Decode leader: requests whose KV arrived start decoding; those whose KV will not come fail;
+        slots of ended requests go back once the prefill side can no longer write into them."""
+        s = self.scheduler
+        for rid, reply in self.link.poll():
+            if "error" in reply:
+                output = s.kv_failed(rid, f"prefill-decode transfer: {reply['error']}")
+                self.report.add([], [output] if output else [])
+            else:
+                self.report.add(*s.kv_arrived(rid, reply["token"], reply["logprob"], reply["top"]))
+        for rid in list(s.limbo):
+            if self.link.waiting(rid):
+                self.link.cancel(rid)
+            else:
+                s.free_limbo(rid)
+                self.report.changed = True  # the group's KV figures changed
+
+    def _ask_prefill(self) -> None:
+        """Decode leader: where the requests admitted this step want their KV."""
+        for req in self.scheduler.reserved:
+            dest = {"slots": req.slots, "ranks": self.group_pools, "mla": self.is_mla}
+            self.link.request(req.rid, req.bootstrap, dest)
+
+    def _write_kv(self, sends: list[KVSend]) -> list[str | None]:
+        """Prefill, every rank of the group: writes its rows of each request's KV into the decode
+        ranks that need them; returns each send's error (None: written), as the whole group saw it.
+        MLA: every decode rank holds the same latent, so decode rank k gets prefill rank k mod A's;
+        GQA: each rank's heads, the attention TP sizes equal."""
+        topo = self.groups.topo
+        a, j = topo.attn_tp_size, topo.attn_tp_rank
+        if self.runner.device.type == "cuda":
+            torch.cuda.synchronize(self.runner.device)  # the prompts' KV is written by earlier steps
+        errors: list[str | None] = []
+        for send in sends:
+            ranks = send.dest["ranks"]
+            try:
+                if not (send.dest["mla"] and self.is_mla) and len(ranks) != a:
+                    raise ValueError(
+                        f"KV heads are split over attention TP: the prefill instance's attention TP size "
+                        f"{a} and the decode instance's {len(ranks)} must be equal"
+                    )
+                buffers = range(len(self.transfer.local.buffers))
+                for k in range(j, len(ranks), a):
+                    peer = PoolDescriptor.from_json(ranks[k])
+                    self.transfer.write(peer, [(buffers, send.slots, send.dest["slots"])])
+                errors.append(None)
+            except (RuntimeError, ValueError, KeyError, TypeError) as e:
+                logger.error("writing a request's KV failed: %s", e)
+                errors.append(str(e))
+        if self.groups.attn_tp_cpu is not None:
+            seen: list = [None] * a
+            torch.distributed.all_gather_object(seen, errors, group=self.groups.attn_tp_cpu)
+            errors = [next((e for e in column if e is not None), None) for column in zip(*seen, strict=True)]
+        return errors
 
     def _finish_step(
         self, batch: GroupBatch, layout: StepLayout, logits: torch.Tensor, kind: str, start: float
@@ -375,7 +466,9 @@ class Worker:
             if isinstance(msg, GenerateRequest):
                 output = self.scheduler.add(msg)  # an error output if it can never run
             elif msg["type"] == "abort":
-                output = self.scheduler.abort(msg["rid"])
+                output = self.scheduler.abort(msg["rid"], msg.get("message", "aborted"))
+            elif msg["type"] == "kv_dest":
+                self.scheduler.set_destination(msg["rid"], msg["dest"])
             elif msg["type"] == "wake":  # another group has work: join its steps
                 pass
             elif msg["type"] == "get_expert_load":

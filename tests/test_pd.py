@@ -1,0 +1,148 @@
+"""Prefill-decode disaggregation behind SGLang's router in PD mode (`sglang-router
+--pd-disaggregation`): a prefill instance (tp 2) and a decode instance of another layout (tp 2, dp 2,
+DP attention), the KV moved by Mooncake's transfer engine over TCP. Outputs equal transformers'
+greedy ones token for token on every endpoint, and every failure is an error that names its cause
+and leaves no KV behind."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+
+import httpx
+import pytest
+from conftest import NEW_TOKENS, assert_matches_reference
+from openai import OpenAI
+from transformers import AutoTokenizer
+
+from dpserve.engine.worker_pool import free_port
+from dpserve.testing.server import RouterProcess, ServerProcess
+
+NAME = "tiny"
+TIMEOUT_S = 5  # --disaggregation-timeout of both instances
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+http = httpx.Client(timeout=120)
+
+
+def metric(server: ServerProcess, name: str) -> float:
+    """A metric summed over the instance's DP groups."""
+    text = http.get(f"{server.url}/metrics").text
+    return sum(float(v) for v in re.findall(rf"^dpserve_{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+
+def kv_settles(server: ServerProcess, within_s: float) -> bool:
+    """Whether the instance's KV in use drops to 0 within `within_s` seconds."""
+    deadline = time.monotonic() + within_s
+    while metric(server, "kv_used_tokens") != 0:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+@pytest.fixture(scope="module")
+def pd(model_dirs):
+    model = model_dirs["deepseek_v2"]
+    common = ("--model-path", model, "--dtype", "float32", "--served-model-name", NAME)
+    common += ("--disaggregation-timeout", str(TIMEOUT_S))
+    port = free_port()
+    prefill_args = ("--tp", "2", "--disaggregation-mode", "prefill")
+    prefill_args += ("--disaggregation-bootstrap-port", str(port))
+    decode_args = ("--tp", "2", "--dp", "2", "--enable-dp-attention", "--disaggregation-mode", "decode")
+    with (
+        ServerProcess(*common, *prefill_args) as prefill,
+        ServerProcess(*common, *decode_args) as decode,
+        RouterProcess([decode.url], "--log-level", "warn", prefill=[(prefill.url, port)]) as router,
+    ):
+        yield {"prefill": prefill, "decode": decode, "router": router, "port": port, "model": model}
+
+
+def generate(url: str, prompts, **body) -> httpx.Response:
+    sampling = {"max_new_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True}
+    return http.post(f"{url}/generate", json={"input_ids": prompts, "sampling_params": sampling, **body})
+
+
+def test_outputs_through_the_pd_router(pd, prompts, references):
+    router, prefill, decode = pd["router"], pd["prefill"], pd["decode"]
+    # A batch: each prompt its own room; the decode instance spreads them over its two groups.
+    r = generate(router.url, prompts, return_logprob=True)
+    assert r.status_code == 200, r.text
+    outs = [
+        {
+            "output_ids": o["output_ids"],
+            "meta_info": {"output_token_logprobs": [e[0] for e in o["meta_info"]["output_token_logprobs"]]},
+        }
+        for o in r.json()
+    ]
+    assert_matches_reference(outs, references["deepseek_v2"])
+    assert {o["meta_info"]["dp_rank"] for o in r.json()} == {0, 1}
+    # Chat, streamed and not, and completions: what /generate gives for the same tokens.
+    tok = AutoTokenizer.from_pretrained(pd["model"])
+    text = tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
+    chat_ids = tok.encode(text, add_special_tokens=False)  # as the server renders a chat
+    client = OpenAI(base_url=f"{router.url}/v1", api_key="none", max_retries=0)
+    greedy = {"temperature": 0, "max_tokens": NEW_TOKENS, "extra_body": {"ignore_eos": True}}
+    chat = client.chat.completions.create(model=NAME, messages=CHAT, **greedy)
+    streamed = client.chat.completions.create(model=NAME, messages=CHAT, stream=True, **greedy)
+    direct = generate(router.url, chat_ids).json()
+    assert chat.choices[0].message.content == direct["text"]
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == direct["text"]
+    completion = client.completions.create(model=NAME, prompt="Once upon a time", **greedy)
+    sampling = {"max_new_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True}
+    body = {"text": "Once upon a time", "sampling_params": sampling}
+    assert completion.choices[0].text == http.post(f"{router.url}/generate", json=body).json()["text"]
+    # The prefill side's prefix cache: the same prompt again is found there but for its last token.
+    hits = metric(prefill, "prefix_cache_hit_tokens_total")
+    assert generate(router.url, prompts[1]).json()["output_ids"] == r.json()[1]["output_ids"]
+    assert metric(prefill, "prefix_cache_hit_tokens_total") == hits + len(prompts[1]) - 1
+    # Nothing holds KV on either side once the answers are in.
+    assert metric(prefill, "kv_used_tokens") == 0 and metric(decode, "kv_used_tokens") == 0
+
+
+def test_a_half_without_its_partner_fails_naming_it(pd, prompts):
+    """A request that reaches only one side fails after the timeout, naming the side that never came;
+    the same room twice on one side is a 400 at once; afterwards no KV is held anywhere."""
+    prefill, decode, port = pd["prefill"], pd["decode"], pd["port"]
+    room = {"bootstrap_host": "127.0.0.1", "bootstrap_port": port}
+    answers: dict[str, httpx.Response] = {}
+
+    def send(side: str, server: ServerProcess, number: int, bootstrap_port: int = port) -> None:
+        body = {**room, "bootstrap_port": bootstrap_port}
+        answers[side] = generate(server.url, prompts[2], bootstrap_room=number, **body)
+
+    gone = free_port()  # a prefill instance that is not there
+    alone = [
+        threading.Thread(target=send, args=("decode", decode, 101)),
+        threading.Thread(target=send, args=("prefill", prefill, 202)),
+        threading.Thread(target=send, args=("nobody", decode, 303, gone)),
+    ]
+    for t in alone:
+        t.start()
+    deadline = time.monotonic() + 60
+    while metric(decode, "num_running_reqs") + metric(prefill, "num_running_reqs") < 3:
+        assert time.monotonic() < deadline, "the two requests never reached their instances"
+        time.sleep(0.05)
+    for server, number in ((decode, 101), (prefill, 202)):
+        twice = generate(server.url, prompts[2], bootstrap_room=number, **room)
+        assert twice.status_code == 400 and f"bootstrap_room {number} is already in use" in twice.text
+    for t in alone:
+        t.join()
+    assert answers["decode"].status_code == 503
+    assert (
+        f"no request with bootstrap_room 101 reached the prefill instance within {TIMEOUT_S} s"
+        in answers["decode"].text
+    )
+    assert answers["nobody"].status_code == 503
+    assert (
+        f"the prefill instance 127.0.0.1:{gone} did not deliver the KV of bootstrap_room 303 within "
+        f"{TIMEOUT_S} s" in answers["nobody"].text
+    )
+    assert answers["prefill"].status_code == 503
+    assert f"no decode instance asked for bootstrap_room 202 within {TIMEOUT_S} s" in answers["prefill"].text
+    # Requests without a room are not for a PD instance.
+    plain = generate(decode.url, prompts[2])
+    assert plain.status_code == 400 and "requests come through the PD router" in plain.text
+    # The decode side keeps the failed request's slots for one more timeout (the prefill side may
+    # still be writing), then frees them.
+    assert kv_settles(prefill, 5) and kv_settles(decode, 3 * TIMEOUT_S)
