@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dpserve.bench import kv_transfer
-from dpserve.disagg.transfer import KVTransfer, PoolDescriptor, _batches, slot_runs
+from dpserve.disagg.transfer import HeadSlice, KVTransfer, PoolDescriptor, _batches, reslice, slot_runs
 from dpserve.kvcache.pool import KVPool
 
 SHAPES = [(2, 4), (2, 4)]  # GQA: keys and values, 2 KV heads of 4
@@ -21,9 +21,9 @@ def make_pool(shapes=SHAPES) -> KVPool:
     return KVPool(3, 16, shapes, torch.float32, torch.device("cpu"), WINDOW_LAYERS, 8)
 
 
-def receive(descriptors: mp.Queue, results: mp.Queue) -> None:
+def receive(descriptors: mp.Queue, results: mp.Queue, shapes=SHAPES) -> None:
     """The decode side: registers a zeroed pool, hands out its descriptor, then its contents."""
-    pool = make_pool()
+    pool = make_pool(shapes)
     transfer = KVTransfer("127.0.0.1")
     descriptors.put(transfer.register(pool).to_json())
     results.get()  # the writer is done
@@ -36,6 +36,18 @@ def test_slot_runs():
     assert slot_runs([1, 2], [5, 4]) == [(1, 5, 1), (2, 4, 1)]
     with pytest.raises(ValueError, match="3 source slots for 2 destination slots"):
         slot_runs([1, 2, 3], [1, 2])
+
+
+def test_reslice_plans_each_destination_head_once():
+    # MLA (one latent every rank holds): decode rank k from prefill rank k mod A_prefill.
+    assert reslice(2, 4, 1) == [[(0, HeadSlice(0, 0, 1, 1, 1)), (2, HeadSlice(0, 0, 1, 1, 1))]] + [
+        [(1, HeadSlice(0, 0, 1, 1, 1)), (3, HeadSlice(0, 0, 1, 1, 1))]
+    ]
+    # GQA, 4 KV heads: one prefill rank holding all four to two decode ranks of two each, and back.
+    assert reslice(1, 2, 4) == [[(0, HeadSlice(0, 0, 2, 4, 2)), (1, HeadSlice(2, 0, 2, 4, 2))]]
+    assert reslice(2, 1, 4) == [[(0, HeadSlice(0, 0, 2, 2, 4))], [(0, HeadSlice(0, 2, 2, 2, 4))]]
+    # 2 KV heads over 4 prefill ranks (each replicated twice) to 2 decode ranks: one writer per head.
+    assert reslice(4, 2, 2) == [[(0, HeadSlice(0, 0, 1, 1, 1))], [], [], [(1, HeadSlice(0, 0, 1, 1, 1))]]
 
 
 def test_copies_are_batched_within_the_limit():
@@ -84,6 +96,45 @@ def test_rows_land_in_the_peers_pool():
             assert torch.equal(dst, expected), f"buffer {i}"
         with pytest.raises(ValueError, match="the peer's pool differs"):
             transfer.write(PoolDescriptor(target.session, target.buffers[:2]), parts)
+        transfer.close()
+    finally:
+        peer.join(timeout=60)
+        if peer.is_alive():
+            peer.kill()
+    assert peer.exitcode == 0
+
+
+def test_heads_are_resliced_into_a_narrower_row():
+    """Attention TP 1 (both KV heads per row) into the second rank of attention TP 2 (one head per
+    row): that rank's head lands in each destination slot, nothing else."""
+    ctx = mp.get_context("spawn")
+    descriptors, results = ctx.Queue(), ctx.Queue()
+    narrow = [(1, 4), (1, 4)]
+    peer = ctx.Process(target=receive, args=(descriptors, results, narrow), daemon=True)
+    peer.start()
+    try:
+        pool = make_pool()
+        for layer in pool.layers:
+            for buf in layer:
+                buf.copy_(torch.randn(buf.shape))
+        transfer = KVTransfer("127.0.0.1")
+        transfer.register(pool)
+        target = PoolDescriptor.from_json(descriptors.get(timeout=60))
+        [heads] = [h for k, h in reslice(1, 2, 2)[0] if k == 1]
+        assert heads == HeadSlice(1, 0, 1, 2, 1)
+        src, dst = [3, 4, 5], [6, 7, 9]
+        transfer.write(target, [([0, 1, 4, 5], src, dst)], heads)
+        results.put("done")
+        received = [torch.from_numpy(buf) for layer in results.get(timeout=60) for buf in layer]
+        for i, (mine, theirs) in enumerate(
+            zip((b for layer in pool.layers for b in layer), received, strict=True)
+        ):
+            expected = torch.zeros_like(theirs)
+            if i in (0, 1, 4, 5):
+                expected[dst] = mine[src][:, 1:2]  # the second head
+            assert torch.equal(theirs, expected), f"buffer {i}"
+        with pytest.raises(ValueError, match="the peer's pool differs"):
+            transfer.write(target, [([0], src, dst)])  # whole rows of 2 heads into rows of 1
         transfer.close()
     finally:
         peer.join(timeout=60)

@@ -63,19 +63,23 @@ def generate(url: str, prompts, **body) -> httpx.Response:
     return http.post(f"{url}/generate", json={"input_ids": prompts, "sampling_params": sampling, **body})
 
 
-def test_outputs_through_the_pd_router(pd, prompts, references):
-    router, prefill, decode = pd["router"], pd["prefill"], pd["decode"]
-    # A batch: each prompt its own room; the decode instance spreads them over its two groups.
-    r = generate(router.url, prompts, return_logprob=True)
-    assert r.status_code == 200, r.text
-    outs = [
+def engine_outputs(r: httpx.Response) -> list[dict]:
+    """A /generate batch's answers with the offline Engine's logprobs (what the reference takes)."""
+    return [
         {
             "output_ids": o["output_ids"],
             "meta_info": {"output_token_logprobs": [e[0] for e in o["meta_info"]["output_token_logprobs"]]},
         }
         for o in r.json()
     ]
-    assert_matches_reference(outs, references["deepseek_v2"])
+
+
+def test_outputs_through_the_pd_router(pd, prompts, references):
+    router, prefill, decode = pd["router"], pd["prefill"], pd["decode"]
+    # A batch: each prompt its own room; the decode instance spreads them over its two groups.
+    r = generate(router.url, prompts, return_logprob=True)
+    assert r.status_code == 200, r.text
+    assert_matches_reference(engine_outputs(r), references["deepseek_v2"])
     assert {o["meta_info"]["dp_rank"] for o in r.json()} == {0, 1}
     # Chat, streamed and not, and completions: what /generate gives for the same tokens.
     tok = AutoTokenizer.from_pretrained(pd["model"])
@@ -146,3 +150,31 @@ def test_a_half_without_its_partner_fails_naming_it(pd, prompts):
     # The decode side keeps the failed request's slots for one more timeout (the prefill side may
     # still be writing), then frees them.
     assert kv_settles(prefill, 5) and kv_settles(decode, 3 * TIMEOUT_S)
+
+
+def test_gqa_heads_are_resliced_between_layouts(model_dirs, prompts, references):
+    """Llama's KV heads split over attention TP: a prefill instance holding both heads per rank
+    (tp 1) writes each decode rank (tp 2) its own head; sent straight to both sides, as the router
+    does."""
+    model, port = model_dirs["llama"], free_port()
+    common = ("--model-path", model, "--dtype", "float32", "--disaggregation-timeout", str(TIMEOUT_S))
+    prefill_args = ("--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(port))
+    with (
+        ServerProcess(*common, *prefill_args) as prefill,
+        ServerProcess(*common, "--tp", "2", "--disaggregation-mode", "decode") as decode,
+    ):
+        rooms = {"bootstrap_host": "127.0.0.1", "bootstrap_port": port, "bootstrap_room": [7, 8]}
+        answers: dict[str, httpx.Response] = {}
+
+        def send(server: ServerProcess) -> None:
+            answers[server.url] = generate(server.url, prompts[:2], return_logprob=True, **rooms)
+
+        sides = [threading.Thread(target=send, args=(s,)) for s in (prefill, decode)]
+        for t in sides:
+            t.start()
+        for t in sides:
+            t.join()
+        assert answers[prefill.url].status_code == 200, answers[prefill.url].text
+        r = answers[decode.url]
+        assert r.status_code == 200, r.text
+        assert_matches_reference(engine_outputs(r), references["llama"][:2])

@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from dpserve.config import EngineConfig
 from dpserve.disagg.bootstrap import DecodeLink, local_host
-from dpserve.disagg.transfer import KVTransfer, PoolDescriptor
+from dpserve.disagg.transfer import KVTransfer, PoolDescriptor, reslice
 from dpserve.distributed import Groups, init_groups
 from dpserve.grammar import GrammarCache
 from dpserve.models.config import ModelConfig
@@ -227,7 +227,8 @@ class Worker:
                 model_cfg.context_len,
             )
         self.out, self.scheduler, self.requests = out, None, None
-        self.transfer, self.link, self.is_mla = None, None, model_cfg.is_mla
+        self.transfer, self.link = None, None
+        self.kv_heads = 1 if model_cfg.is_mla else model_cfg.num_kv_heads  # MLA: one latent, every rank
         if cfg.disaggregation_mode != "null":
             self._start_transfer(cfg)
         if topo.is_group_leader:
@@ -355,31 +356,30 @@ class Worker:
     def _ask_prefill(self) -> None:
         """Decode leader: where the requests admitted this step want their KV."""
         for req in self.scheduler.reserved:
-            dest = {"slots": req.slots, "ranks": self.group_pools, "mla": self.is_mla}
+            dest = {"slots": req.slots, "ranks": self.group_pools, "kv_heads": self.kv_heads}
             self.link.request(req.rid, req.bootstrap, dest)
 
     def _write_kv(self, sends: list[KVSend]) -> list[str | None]:
-        """Prefill, every rank of the group: writes its rows of each request's KV into the decode
-        ranks that need them; returns each send's error (None: written), as the whole group saw it.
-        MLA: every decode rank holds the same latent, so decode rank k gets prefill rank k mod A's;
-        GQA: each rank's heads, the attention TP sizes equal."""
+        """Prefill, every rank of the group: writes its share of each request's KV into the decode
+        ranks that hold those heads (`reslice`: MLA's latent, held by every rank, to decode rank k
+        from prefill rank k mod A); returns each send's error (None: written), as the group saw it."""
         topo = self.groups.topo
         a, j = topo.attn_tp_size, topo.attn_tp_rank
         if self.runner.device.type == "cuda":
             torch.cuda.synchronize(self.runner.device)  # the prompts' KV is written by earlier steps
+        buffers = range(len(self.transfer.local.buffers))
         errors: list[str | None] = []
         for send in sends:
             ranks = send.dest["ranks"]
             try:
-                if not (send.dest["mla"] and self.is_mla) and len(ranks) != a:
+                if send.dest["kv_heads"] != self.kv_heads:
                     raise ValueError(
-                        f"KV heads are split over attention TP: the prefill instance's attention TP size "
-                        f"{a} and the decode instance's {len(ranks)} must be equal"
+                        f"the decode instance's model has {send.dest['kv_heads']} KV head(s), this one "
+                        f"{self.kv_heads}"
                     )
-                buffers = range(len(self.transfer.local.buffers))
-                for k in range(j, len(ranks), a):
+                for k, heads in reslice(a, len(ranks), self.kv_heads)[j]:
                     peer = PoolDescriptor.from_json(ranks[k])
-                    self.transfer.write(peer, [(buffers, send.slots, send.dest["slots"])])
+                    self.transfer.write(peer, [(buffers, send.slots, send.dest["slots"])], heads)
                 errors.append(None)
             except (RuntimeError, ValueError, KeyError, TypeError) as e:
                 logger.error("writing a request's KV failed: %s", e)
