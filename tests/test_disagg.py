@@ -57,6 +57,9 @@ def test_copies_are_batched_within_the_limit():
         ([110], [2010], [40]),
         ([200], [3000], [10]),
     ]
+    # ...and at most `copies` copies: a fragmented pool's thousands of small ones go in turns.
+    small = list(_batches(list(range(5)), list(range(5)), [1] * 5, 40, copies=2))
+    assert [b[0] for b in small] == [[0, 1], [2, 3], [4]]
 
 
 def test_the_transfer_benchmark_moves_every_byte(capsys):

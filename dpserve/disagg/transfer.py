@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from dpserve.kvcache.pool import KVPool
 
 BATCH_BYTES = 16 << 20  # bytes per batched transfer call
+BATCH_COPIES = 256  # copies per batched transfer call
 
 
 @dataclass(frozen=True)
@@ -86,9 +87,10 @@ def reslice(src_tp: int, dst_tp: int, kv_heads: int) -> list[list[tuple[int, Hea
     return plan
 
 
-def _batches(srcs: list[int], dsts: list[int], lens: list[int], limit: int):
-    """The copies in batches of at most `limit` bytes (a larger copy split): the TCP transport
-    queues a batch's slices at once and refuses a queue it cannot hold (64 MiB failed here)."""
+def _batches(srcs: list[int], dsts: list[int], lens: list[int], limit: int, copies: int = BATCH_COPIES):
+    """The copies in batches of at most `limit` bytes (a larger copy split) and `copies` copies: the
+    TCP transport queues a batch's slices at once and refuses a queue it cannot hold (64 MiB failed
+    here, and so did thousands of small copies, a fragmented pool's, at once)."""
     batch: tuple[list[int], list[int], list[int]] = ([], [], [])
     size = 0
     for src, dst, n in zip(srcs, dsts, lens, strict=True):
@@ -97,7 +99,7 @@ def _batches(srcs: list[int], dsts: list[int], lens: list[int], limit: int):
             for part, value in zip(batch, (src, dst, take), strict=True):
                 part.append(value)
             src, dst, n, size = src + take, dst + take, n - take, size + take
-            if size == limit:
+            if size == limit or len(batch[0]) == copies:
                 yield batch
                 batch, size = ([], [], []), 0
     if size:

@@ -25,10 +25,11 @@ POLL_S = 0.2  # between readiness polls
 class ChildProcess:
     """A child process whose output is collected line by line (`output`) as it runs."""
 
-    def __init__(self, cmd: list[str], ready_line: str | None = None):
+    def __init__(self, cmd: list[str], ready_line: str | None = None, cpus: set[int] | None = None):
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        pin = None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
         self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, preexec_fn=pin
         )
         self.log: list[str] = []
         self._ready_line = ready_line
@@ -72,13 +73,22 @@ class ChildProcess:
 
 
 class ServerProcess(ChildProcess):
-    def __init__(self, *args: str, port: int | None = None, wait_ready: bool = True, timeout: float = 300):
+    """A server; `cpus`: the cores it and its ranks may run on (all by default)."""
+
+    def __init__(
+        self,
+        *args: str,
+        port: int | None = None,
+        wait_ready: bool = True,
+        timeout: float = 300,
+        cpus: set[int] | None = None,
+    ):
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "dpserve.launch_server", *args]
         if wait_ready:
             cmd += ["--port", str(self.port)]
-        super().__init__(cmd, READY_LINE)
+        super().__init__(cmd, READY_LINE, cpus)
         if wait_ready:
             self._ready.wait(timeout)
             if self.proc.poll() is not None or not self._ready.is_set():

@@ -102,8 +102,9 @@ def run_worker(rank: int, cfg: EngineConfig, addrs: WorkerAddresses) -> None:
     # tqdm's default lock is a multiprocessing semaphore: a rank killed or exiting at once would leak it.
     tqdm.set_lock(threading.RLock())
     if cfg.device == "cpu":
-        # The node's cores shared out between its ranks: more threads than cores only thrash.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.ranks_per_node))
+        # The cores this instance may use (all, or those it was pinned to) shared out between its
+        # ranks: more threads than cores only thrash.
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // cfg.ranks_per_node))
     ctx = zmq.Context()
     out = ctx.socket(zmq.PUSH)
     out.connect(addrs.outputs)
