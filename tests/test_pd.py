@@ -12,10 +12,13 @@ import time
 
 import httpx
 import pytest
+import zmq
 from conftest import NEW_TOKENS, assert_matches_reference
 from openai import OpenAI
 from transformers import AutoTokenizer
 
+from dpserve.bench import kv_transfer
+from dpserve.disagg.transfer import PoolDescriptor
 from dpserve.engine.worker_pool import free_port
 from dpserve.testing.server import RouterProcess, ServerProcess
 
@@ -150,6 +153,45 @@ def test_a_half_without_its_partner_fails_naming_it(pd, prompts):
     # The decode side keeps the failed request's slots for one more timeout (the prefill side may
     # still be writing), then frees them.
     assert kv_settles(prefill, 5) and kv_settles(decode, 3 * TIMEOUT_S)
+
+
+def test_a_decode_side_that_went_away(pd, prompts):
+    """The destination's transfer engine is gone (its instance stopped after asking): the prefill
+    request fails naming the write, the decode side hears why, the prefill side holds no KV, and
+    after three such failures in a row its /health says so until a transfer works again."""
+    prefill, port = pd["prefill"], pd["port"]
+    pool, _ = kv_transfer.make_pool(pd["model"], "float32", 64)  # the rows a decode pool would have
+    rows = tuple((b.data_ptr(), b.stride(0) * b.element_size()) for layer in pool.layers for b in layer)
+    gone = PoolDescriptor(f"127.0.0.1:{free_port()}", rows).to_json()
+    ctx = zmq.Context()
+    peer = ctx.socket(zmq.DEALER)
+    peer.connect(f"tcp://127.0.0.1:{port}")
+    boot = {"bootstrap_host": "127.0.0.1", "bootstrap_port": port}
+    try:
+        answers: dict[int, httpx.Response] = {}
+
+        def send(room: int) -> None:
+            answers[room] = generate(prefill.url, prompts[3], bootstrap_room=room, **boot)
+
+        for room in (501, 502, 503):
+            sender = threading.Thread(target=send, args=(room,))
+            sender.start()
+            dest = {"slots": list(range(1, len(prompts[3]) + 1)), "ranks": [gone], "kv_heads": 1}
+            peer.send_json({"room": room, "dest": dest})
+            assert peer.poll(60_000), "the prefill instance never answered the room"
+            reply = peer.recv_json()
+            sender.join()
+            assert (
+                reply["room"] == room and reply["write_failed"] and "writing the KV failed" in reply["error"]
+            )
+            assert answers[room].status_code == 500 and "writing the KV failed" in answers[room].text
+    finally:
+        ctx.destroy(linger=0)
+    assert metric(prefill, "kv_used_tokens") == 0
+    health = http.get(f"{prefill.url}/health")
+    assert health.status_code == 503 and "the last 3 KV transfers failed" in health.text
+    assert generate(pd["router"].url, prompts[3]).status_code == 200
+    assert http.get(f"{prefill.url}/health").text == "ok"
 
 
 def test_gqa_heads_are_resliced_between_layouts(model_dirs, prompts, references):

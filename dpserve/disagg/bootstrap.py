@@ -100,6 +100,10 @@ class PrefillBootstrap:
             else:  # kept for a decode side that asks late
                 r.rid, r.reply, r.deadline = None, reply, time.monotonic() + self.timeout
 
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     def close(self) -> None:
         self._stop.set()
         self._thread.join()

@@ -28,6 +28,8 @@ from dpserve.worker.loop import RANK_FIGURES
 
 logger = logging.getLogger("dpserve")
 
+UNHEALTHY_AFTER = 3  # KV transfers failed in a row before /health says so
+
 
 @dataclass
 class RequestState:
@@ -69,6 +71,7 @@ class FrontEnd:
         self.requests: dict[str, RequestState] = {}
         self.replies: dict[int, object] = {}  # group leaders' answers to `ask`
         self.rooms: dict[int, str] = {}  # prefill-decode disaggregation: bootstrap room -> request
+        self.transfer_failures, self.transfer_error = 0, ""  # KV writes failed since the last that worked
         self.bootstrap = None
         if cfg.disaggregation_mode == "prefill":
             try:
@@ -199,15 +202,19 @@ class FrontEnd:
         return list(touched.values())
 
     def _room_done(self, room: int, output: dict) -> None:
-        """Prefill: tells the decode side the room's first token, or why there is none."""
+        """Counts the room's KV write as failed or done; on a prefill instance, tells the decode side
+        the room's first token, or why there is none."""
         self.rooms.pop(room, None)
+        reason = output["finish_reason"]
+        if reason.get("write_failed"):
+            self.transfer_failures, self.transfer_error = self.transfer_failures + 1, reason["message"]
+        elif reason["type"] != "abort":
+            self.transfer_failures = 0
         if self.bootstrap is None:
             return
-        reason = output["finish_reason"]
         if reason["type"] == "abort":
-            self.bootstrap.done(
-                room, {"error": f"the prefill instance failed the request: {reason['message']}"}
-            )
+            error = f"the prefill instance failed the request: {reason['message']}"
+            self.bootstrap.done(room, {"error": error, "write_failed": bool(reason.get("write_failed"))})
             return
         logprobs, tops = output["output_token_logprobs"], output["output_top_logprobs"]
         self.bootstrap.done(
@@ -218,6 +225,14 @@ class FrontEnd:
                 "top": [list(t) for t in tops[0]] if tops else [],
             },
         )
+
+    def health(self) -> str | None:
+        """What keeps this instance from serving prefill-decode requests (None: nothing)."""
+        if self.bootstrap is not None and not self.bootstrap.alive:
+            return "the bootstrap endpoint stopped"
+        if self.transfer_failures >= UNHEALTHY_AFTER:
+            return f"the last {self.transfer_failures} KV transfers failed, the latest: {self.transfer_error}"
+        return None
 
     def ask(self, what: str) -> list:
         """Every group leader's reply to `get_{what}` (step_log, expert_load), in DP-rank order;

@@ -178,7 +178,8 @@ class Scheduler:
                 continue
             req, reason = self.sending[rid]
             if error is not None:
-                reason = {"type": "abort", "message": f"writing the KV failed: {error}", "status_code": 500}
+                message = f"writing the KV failed: {error}"
+                reason = {"type": "abort", "message": message, "status_code": 500, "write_failed": True}
             out.append(self._finish(req, reason))
         self._sends = []
         return out
@@ -202,12 +203,14 @@ class Scheduler:
             self.token_counts.add([rid], [token])
         return [(rid, token, logprob, top)], []
 
-    def kv_failed(self, rid: str, message: str) -> dict | None:
-        """Decode: `rid`'s KV will not come; it fails with 503 naming why."""
+    def kv_failed(self, rid: str, message: str, write_failed: bool = False) -> dict | None:
+        """Decode: `rid`'s KV will not come (`write_failed`: the prefill side could not write it);
+        it fails with 503 naming why."""
         req = next((r for r in self.running if r.rid == rid and r.awaiting), None)
         if req is None:
             return None
-        return self._finish(req, {"type": "abort", "message": message, "status_code": 503})
+        reason = {"type": "abort", "message": message, "status_code": 503, "write_failed": write_failed}
+        return self._finish(req, reason)
 
     def free_limbo(self, rid: str) -> None:
         """Decode: the prefill side will not write into the ended request `rid`'s slots any more."""

@@ -117,6 +117,8 @@ def create_app(tm: TokenizerManager, model_name: str, admission: Admission | Non
     async def health():
         if tm.failure is not None:
             return error_response(503, f"a worker failed: {tm.failure}")
+        if (problem := tm.front.health()) is not None:
+            return error_response(503, problem)
         return PlainTextResponse("ok")
 
     @app.get("/get_server_info")

@@ -343,7 +343,8 @@ class Worker:
         s = self.scheduler
         for rid, reply in self.link.poll():
             if "error" in reply:
-                output = s.kv_failed(rid, f"prefill-decode transfer: {reply['error']}")
+                message = f"prefill-decode transfer: {reply['error']}"
+                output = s.kv_failed(rid, message, bool(reply.get("write_failed")))
                 self.report.add([], [output] if output else [])
             else:
                 self.report.add(*s.kv_arrived(rid, reply["token"], reply["logprob"], reply["top"]))
