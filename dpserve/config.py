@@ -400,11 +400,6 @@ class EngineConfig:
                 f"disaggregation_transfer_backend={self.disaggregation_transfer_backend} is not built; "
                 "dpserve moves KV with mooncake"
             )
-        if self.disaggregation_mode == "decode" and self.speculative_algorithm == "NEXTN":
-            raise ValueError(
-                "speculative_algorithm=NEXTN on a decode instance needs the prompt's last hidden state, "
-                "which the prefill instance does not send; use NGRAM or none"
-            )
         if self.disaggregation_timeout <= 0:
             raise ValueError(f"disaggregation_timeout must be > 0, got {self.disaggregation_timeout}")
         if self.speculative_algorithm is not None:

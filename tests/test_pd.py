@@ -13,14 +13,16 @@ import time
 import httpx
 import pytest
 import zmq
-from conftest import NEW_TOKENS, assert_matches_reference
+from conftest import GREEDY, NEW_TOKENS, assert_matches_reference
 from openai import OpenAI
 from transformers import AutoTokenizer
 
 from dpserve.bench import kv_transfer
 from dpserve.disagg.transfer import PoolDescriptor
 from dpserve.engine.worker_pool import free_port
+from dpserve.testing.reference import hf_greedy_reference
 from dpserve.testing.server import RouterProcess, ServerProcess
+from dpserve.testing.trained_mtp import synthetic_sequences, trained_mtp_model
 
 NAME = "tiny"
 TIMEOUT_S = 5  # --disaggregation-timeout of both instances
@@ -75,6 +77,23 @@ def engine_outputs(r: httpx.Response) -> list[dict]:
         }
         for o in r.json()
     ]
+
+
+def both_sides(prefill: ServerProcess, decode: ServerProcess, prompts, **body) -> dict[str, httpx.Response]:
+    """The same /generate sent to both sides at once, as the PD router sends it; both must answer 200."""
+    answers: dict[str, httpx.Response] = {}
+
+    def send(server: ServerProcess) -> None:
+        answers[server.url] = generate(server.url, prompts, **body)
+
+    sides = [threading.Thread(target=send, args=(s,)) for s in (prefill, decode)]
+    for t in sides:
+        t.start()
+    for t in sides:
+        t.join()
+    for r in answers.values():
+        assert r.status_code == 200, r.text
+    return answers
 
 
 def test_outputs_through_the_pd_router(pd, prompts, references):
@@ -206,17 +225,28 @@ def test_gqa_heads_are_resliced_between_layouts(model_dirs, prompts, references)
         ServerProcess(*common, "--tp", "2", "--disaggregation-mode", "decode") as decode,
     ):
         rooms = {"bootstrap_host": "127.0.0.1", "bootstrap_port": port, "bootstrap_room": [7, 8]}
-        answers: dict[str, httpx.Response] = {}
+        answers = both_sides(prefill, decode, prompts[:2], return_logprob=True, **rooms)
+        assert_matches_reference(engine_outputs(answers[decode.url]), references["llama"][:2])
 
-        def send(server: ServerProcess) -> None:
-            answers[server.url] = generate(server.url, prompts[:2], return_logprob=True, **rooms)
 
-        sides = [threading.Thread(target=send, args=(s,)) for s in (prefill, decode)]
-        for t in sides:
-            t.start()
-        for t in sides:
-            t.join()
-        assert answers[prefill.url].status_code == 200, answers[prefill.url].text
-        r = answers[decode.url]
-        assert r.status_code == 200, r.text
-        assert_matches_reference(engine_outputs(r), references["llama"][:2])
+def test_nextn_drafts_and_mtp_kv_carry_over(engine_cache):
+    """NEXTN on both sides (the trained tiny DeepSeek-V3, whose MTP layer's drafts are mostly right):
+    the prefill instance sends the MTP layer's KV with the prompt's and its first draft chain with the
+    first token, so the decode instance (tp 2, dp 2) verifies exactly as a co-located instance does:
+    the same tokens and the same verify steps, request by request."""
+    model, port = str(trained_mtp_model()), free_port()
+    prompts = [synthetic_sequences(1, n, seed=200 + i)[0] for i, n in enumerate((7, 33, 18, 61))]
+    refs = hf_greedy_reference(model, prompts, NEW_TOKENS)
+    nextn = {"speculative_algorithm": "NEXTN", "speculative_num_steps": 2}
+    colocated = engine_cache.get(model, **nextn).generate(input_ids=prompts, sampling_params=GREEDY)
+    common = ("--model-path", model, "--dtype", "float32", "--disaggregation-timeout", str(TIMEOUT_S))
+    common += ("--speculative-algorithm", "NEXTN", "--speculative-num-steps", "2")
+    prefill_args = ("--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(port))
+    decode_args = ("--tp", "2", "--dp", "2", "--enable-dp-attention", "--disaggregation-mode", "decode")
+    with ServerProcess(*common, *prefill_args) as prefill, ServerProcess(*common, *decode_args) as decode:
+        rooms = {"bootstrap_host": "127.0.0.1", "bootstrap_port": port, "bootstrap_room": [11, 12, 13, 14]}
+        answers = both_sides(prefill, decode, prompts, return_logprob=True, **rooms)
+    assert_matches_reference(engine_outputs(answers[decode.url]), refs)
+    verify_steps = [o["meta_info"]["spec_verify_ct"] for o in answers[decode.url].json()]
+    assert verify_steps == [o["meta_info"]["spec_verify_ct"] for o in colocated]
+    assert sum(verify_steps) < len(prompts) * (NEW_TOKENS - 1)  # drafts were accepted

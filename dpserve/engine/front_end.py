@@ -223,6 +223,7 @@ class FrontEnd:
                 "token": output["output_ids"][0],
                 "logprob": logprobs[0] if logprobs else 0.0,
                 "top": [list(t) for t in tops[0]] if tops else [],
+                "drafts": output.get("drafts", []),
             },
         )
 

@@ -180,17 +180,22 @@ class Scheduler:
             if error is not None:
                 message = f"writing the KV failed: {error}"
                 reason = {"type": "abort", "message": message, "status_code": 500, "write_failed": True}
-            out.append(self._finish(req, reason))
+            drafts = req.proposed  # NEXTN: the MTP layer's first chain, for the decode side to verify
+            out.append({**self._finish(req, reason), "drafts": drafts})
         self._sends = []
         return out
 
-    def kv_arrived(self, rid: str, token: int, logprob: float, top: list) -> tuple[list, list[dict]]:
-        """Decode: the prefill side wrote `rid`'s prompt KV and sampled `token`: it decodes from its
-        next step. Returns its token as process_samples does, and its output if that token ends it."""
+    def kv_arrived(
+        self, rid: str, token: int, logprob: float, top: list, drafts: list[int]
+    ) -> tuple[list, list[dict]]:
+        """Decode: the prefill side wrote `rid`'s prompt KV (with NEXTN its MTP layer's too) and
+        sampled `token` (and drafted `drafts`): it decodes from its next step. Returns its token as
+        process_samples does, and its output if that token ends it."""
         req = next((r for r in self.running if r.rid == rid and r.awaiting), None)
         if req is None:
             return [], []
         req.awaiting = False
+        req.proposed = list(drafts) if self.nextn else []
         req.prefix_pending = True  # its next step writes the prompt's slots into its table row
         if self.tree is not None:
             self._cache(req)

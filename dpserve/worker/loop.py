@@ -228,7 +228,7 @@ class Worker:
                 model_cfg.context_len,
             )
         self.out, self.scheduler, self.requests = out, None, None
-        self.transfer, self.link = None, None
+        self.transfer, self.link, self.nextn = None, None, cfg.speculative_algorithm == "NEXTN"
         self.kv_heads = 1 if model_cfg.is_mla else model_cfg.num_kv_heads  # MLA: one latent, every rank
         if cfg.disaggregation_mode != "null":
             self._start_transfer(cfg)
@@ -347,7 +347,8 @@ class Worker:
                 output = s.kv_failed(rid, message, bool(reply.get("write_failed")))
                 self.report.add([], [output] if output else [])
             else:
-                self.report.add(*s.kv_arrived(rid, reply["token"], reply["logprob"], reply["top"]))
+                drafts = reply.get("drafts", [])
+                self.report.add(*s.kv_arrived(rid, reply["token"], reply["logprob"], reply["top"], drafts))
         for rid in list(s.limbo):
             if self.link.waiting(rid):
                 self.link.cancel(rid)
@@ -358,7 +359,12 @@ class Worker:
     def _ask_prefill(self) -> None:
         """Decode leader: where the requests admitted this step want their KV."""
         for req in self.scheduler.reserved:
-            dest = {"slots": req.slots, "ranks": self.group_pools, "kv_heads": self.kv_heads}
+            dest = {
+                "slots": req.slots,
+                "ranks": self.group_pools,
+                "kv_heads": self.kv_heads,
+                "nextn": self.nextn,
+            }
             self.link.request(req.rid, req.bootstrap, dest)
 
     def _write_kv(self, sends: list[KVSend]) -> list[str | None]:
@@ -378,6 +384,12 @@ class Worker:
                     raise ValueError(
                         f"the decode instance's model has {send.dest['kv_heads']} KV head(s), this one "
                         f"{self.kv_heads}"
+                    )
+                if send.dest["nextn"] != self.nextn:
+                    on = "the decode instance" if send.dest["nextn"] else "this prefill instance"
+                    raise ValueError(
+                        f"{on} alone runs --speculative-algorithm NEXTN: run it on both (the prefill "
+                        "side sends the MTP layer's KV and first drafts) or on neither"
                     )
                 for k, heads in reslice(a, len(ranks), self.kv_heads)[j]:
                     peer = PoolDescriptor.from_json(ranks[k])
