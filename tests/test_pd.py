@@ -195,14 +195,16 @@ def test_a_decode_side_that_went_away(pd, prompts):
         for room in (501, 502, 503):
             sender = threading.Thread(target=send, args=(room,))
             sender.start()
-            dest = {"slots": list(range(1, len(prompts[3]) + 1)), "ranks": [gone], "kv_heads": 1}
+            slots = list(range(1, len(prompts[3]) + 1))
+            dest = {"slots": slots, "ranks": [gone], "kv_heads": 1, "nextn": False}
+            dest |= {"window": 0, "window_slots": []}
             peer.send_json({"room": room, "dest": dest})
             assert peer.poll(60_000), "the prefill instance never answered the room"
             reply = peer.recv_json()
             sender.join()
-            assert (
-                reply["room"] == room and reply["write_failed"] and "writing the KV failed" in reply["error"]
-            )
+            assert reply["room"] == room and reply["write_failed"]
+            moved = len(slots) * sum(row for _, row in rows)  # one batch: every layer's rows, one run
+            assert f"writing {moved} bytes of KV to {gone['session']} failed" in reply["error"]
             assert answers[room].status_code == 500 and "writing the KV failed" in answers[room].text
     finally:
         ctx.destroy(linger=0)
@@ -213,20 +215,24 @@ def test_a_decode_side_that_went_away(pd, prompts):
     assert http.get(f"{prefill.url}/health").text == "ok"
 
 
-def test_gqa_heads_are_resliced_between_layouts(model_dirs, prompts, references):
-    """Llama's KV heads split over attention TP: a prefill instance holding both heads per rank
-    (tp 1) writes each decode rank (tp 2) its own head; sent straight to both sides, as the router
-    does."""
-    model, port = model_dirs["llama"], free_port()
+def test_gqa_heads_and_window_slots_between_layouts(model_dirs, prompts):
+    """gpt-oss: GQA heads split over attention TP and window layers in a hybrid pool of their own
+    (8-token windows). A prefill instance holding both KV heads per rank (tp 1) writes each decode
+    rank (tp 2) its own head, the window layers' rows into window slots for the prompt's last
+    positions; sent straight to both sides, as the router does."""
+    model, port = model_dirs["gpt_oss"], free_port()
+    longer = [p for p in prompts if len(p) > 8][:3]  # each outgrows its window
+    refs = hf_greedy_reference(model, longer, NEW_TOKENS)
     common = ("--model-path", model, "--dtype", "float32", "--disaggregation-timeout", str(TIMEOUT_S))
     prefill_args = ("--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(port))
     with (
         ServerProcess(*common, *prefill_args) as prefill,
         ServerProcess(*common, "--tp", "2", "--disaggregation-mode", "decode") as decode,
     ):
-        rooms = {"bootstrap_host": "127.0.0.1", "bootstrap_port": port, "bootstrap_room": [7, 8]}
-        answers = both_sides(prefill, decode, prompts[:2], return_logprob=True, **rooms)
-        assert_matches_reference(engine_outputs(answers[decode.url]), references["llama"][:2])
+        rooms = {"bootstrap_host": "127.0.0.1", "bootstrap_port": port, "bootstrap_room": [7, 8, 9]}
+        answers = both_sides(prefill, decode, longer, return_logprob=True, **rooms)
+        assert metric(decode, "kv_window_pool_tokens") > 0  # the hybrid pool is on
+    assert_matches_reference(engine_outputs(answers[decode.url]), refs)
 
 
 def test_nextn_drafts_and_mtp_kv_carry_over(engine_cache):

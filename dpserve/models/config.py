@@ -106,12 +106,6 @@ class ModelConfig:
             raise ValueError(
                 f"num_key_value_heads={self.num_kv_heads} must divide or be divisible by {a} {layout}{hint}"
             )
-        windowed = "sliding_attention" in (getattr(self.hf, "layer_types", None) or [])
-        if cfg.disaggregation_mode != "null" and windowed and not cfg.disable_hybrid_swa_memory:
-            raise ValueError(
-                f"{self.arch}'s window layers keep a hybrid pool of their own, which prefill-decode "
-                "disaggregation does not transfer yet: pass --disable-hybrid-swa-memory on both instances"
-            )
         moe = self.moe
         if cfg.ep_size > 1 and moe is None:
             raise ValueError(f"ep_size={cfg.ep_size} splits routed experts, but {self.arch} has none")

@@ -104,7 +104,9 @@ class Scheduler:
         # Decode: requests whose slots this step reserved (their destination goes to the prefill
         # side), and slots of ended requests the prefill side may still write into.
         self.reserved: list[Req] = []
-        self.limbo: dict[str, list[int]] = {}
+        self.limbo: dict[
+            str, tuple[list[int], list[int]]
+        ] = {}  # rid -> full slots, those holding window slots
         self.free_rows = list(range(max_running, 0, -1))  # row 0 is the padding row
         self.seeds = random.Random(seed + dp_rank)  # of requests without their own
         self.token_counts = TokenCounts(vocab_size, max_running, self.device)  # for penalties
@@ -217,9 +219,18 @@ class Scheduler:
         reason = {"type": "abort", "message": message, "status_code": 503, "write_failed": write_failed}
         return self._finish(req, reason)
 
+    def _send(self, req: Req) -> KVSend:
+        """Prefill: the send order of a held request: its prompt's slots, and the window slots of
+        the prompt's last W - 1 positions (what the decode side's first queries read)."""
+        window = self.windows.slots_of(req.slots[req.window_lo :]) if self.windows else []
+        return KVSend(req.slots, self.destinations[req.rid], window)
+
     def free_limbo(self, rid: str) -> None:
         """Decode: the prefill side will not write into the ended request `rid`'s slots any more."""
-        self.allocator.free(self.limbo.pop(rid))
+        slots, window = self.limbo.pop(rid)
+        if window:
+            self.windows.release(window)
+        self.allocator.free(slots)
 
     # --- scheduling ------------------------------------------------------------------------------
 
@@ -242,6 +253,9 @@ class Scheduler:
             self.waiting.remove(req)
             if req.awaiting:  # decode: its prompt's slots, for the prefill side to fill
                 req.slots = self._alloc(req.prefill_len)
+                if self.windows is not None:  # and the window its first queries read
+                    req.window_lo = max(0, req.prefill_len - (self.windows.window - 1))
+                    self.windows.acquire(req.slots[req.window_lo :])
                 self.reserved.append(req)
                 continue
             budget -= self._add_chunk(batch, req, budget, reserved=len(decoding))
@@ -251,8 +265,11 @@ class Scheduler:
             spare -= len(req.drafts)
             slots = self._alloc(1 + len(req.drafts))
             tokens = [req.output_ids[-1], *req.drafts]
-            window = self.windows.acquire(slots) if self.windows else []
             prefix = list(req.slots) if req.prefix_pending else []  # KV the prefill instance wrote
+            window = []
+            if self.windows is not None:
+                held = self.windows.slots_of(req.slots[req.window_lo :]) if req.prefix_pending else []
+                window = held + self.windows.acquire(slots)
             req.prefix_pending = False
             batch.reqs.append(
                 BatchReq(req.row, req.kv_len, tokens, slots, True, prefix, bool(req.drafts), window)
@@ -262,7 +279,7 @@ class Scheduler:
             req.spec_verify_ct += self.num_drafts > 0
             self.counters["spec_verify_steps"] += self.num_drafts > 0
         self._sends = [rid for rid in self.sending if rid in self.destinations]
-        batch.sends = [KVSend(self.sending[rid][0].slots, self.destinations[rid]) for rid in self._sends]
+        batch.sends = [self._send(self.sending[rid][0]) for rid in self._sends]
         if self._prefilled:
             batch.mode = "extend"
         elif decoding:
@@ -447,16 +464,17 @@ class Scheduler:
     def _release(self, req: Req) -> None:
         """Gives back what an admitted request holds; its KV stays in the prefix cache. A decode
         request still awaiting its KV leaves its slots in limbo: the prefill side may be writing."""
-        self._trim_window(req, req.kv_len)
         if req.awaiting:
-            self.limbo[req.rid] = req.slots
+            self.limbo[req.rid] = (req.slots, req.slots[req.window_lo :] if self.windows else [])
         elif self.tree is not None:
+            self._trim_window(req, req.kv_len)
             self._cache(req)
             self.tree.unlock(req.node)
             if self.windows is not None:
                 self.windows.drop(req.dup_slots)
             self.allocator.free(req.dup_slots)
         else:
+            self._trim_window(req, req.kv_len)
             self.allocator.free(req.slots)
         self.free_rows.append(req.row)
         self.token_counts.release(req.rid)

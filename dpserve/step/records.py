@@ -55,6 +55,7 @@ class KVSend:
 
     slots: list[int]  # the prompt's KV slots in this group's pool
     dest: dict
+    window: list[int] = field(default_factory=list)  # hybrid pool: window slots of the prompt's last W - 1
 
 
 @dataclass

@@ -358,12 +358,15 @@ class Worker:
 
     def _ask_prefill(self) -> None:
         """Decode leader: where the requests admitted this step want their KV."""
+        windows = self.scheduler.windows
         for req in self.scheduler.reserved:
             dest = {
                 "slots": req.slots,
                 "ranks": self.group_pools,
                 "kv_heads": self.kv_heads,
                 "nextn": self.nextn,
+                "window": self.runner.window,  # hybrid pool: the window slots of the prompt's last W - 1
+                "window_slots": windows.slots_of(req.slots[req.window_lo :]) if windows else [],
             }
             self.link.request(req.rid, req.bootstrap, dest)
 
@@ -375,7 +378,11 @@ class Worker:
         a, j = topo.attn_tp_size, topo.attn_tp_rank
         if self.runner.device.type == "cuda":
             torch.cuda.synchronize(self.runner.device)  # the prompts' KV is written by earlier steps
-        buffers = range(len(self.transfer.local.buffers))
+        # Window layers' rows go to window slots (hybrid pool), the others' to full slots.
+        per_layer = len(self.runner.pool.layers[0])
+        layer_of = [i // per_layer for i in range(len(self.transfer.local.buffers))]
+        windowed = [i for i, layer in enumerate(layer_of) if layer in self.runner.window_layers]
+        full = [i for i, layer in enumerate(layer_of) if layer not in self.runner.window_layers]
         errors: list[str | None] = []
         for send in sends:
             ranks = send.dest["ranks"]
@@ -385,15 +392,23 @@ class Worker:
                         f"the decode instance's model has {send.dest['kv_heads']} KV head(s), this one "
                         f"{self.kv_heads}"
                     )
+                if send.dest["window"] != self.runner.window:
+                    raise ValueError(
+                        f"sliding-window layers keep a hybrid pool with a {send.dest['window']}-token window "
+                        f"on the decode instance, {self.runner.window} here (0: none): start both with or "
+                        "without --disable-hybrid-swa-memory"
+                    )
                 if send.dest["nextn"] != self.nextn:
                     on = "the decode instance" if send.dest["nextn"] else "this prefill instance"
                     raise ValueError(
                         f"{on} alone runs --speculative-algorithm NEXTN: run it on both (the prefill "
                         "side sends the MTP layer's KV and first drafts) or on neither"
                     )
+                parts = [(full, send.slots, send.dest["slots"])]
+                if windowed:
+                    parts.append((windowed, send.window, send.dest["window_slots"]))
                 for k, heads in reslice(a, len(ranks), self.kv_heads)[j]:
-                    peer = PoolDescriptor.from_json(ranks[k])
-                    self.transfer.write(peer, [(buffers, send.slots, send.dest["slots"])], heads)
+                    self.transfer.write(PoolDescriptor.from_json(ranks[k]), parts, heads)
                 errors.append(None)
             except (RuntimeError, ValueError, KeyError, TypeError) as e:
                 logger.error("writing a request's KV failed: %s", e)
