@@ -25,7 +25,7 @@ from dpserve.testing.server import RouterProcess, ServerProcess
 from dpserve.testing.trained_mtp import synthetic_sequences, trained_mtp_model
 
 NAME = "tiny"
-TIMEOUT_S = 5  # --disaggregation-timeout of both instances
+TIMEOUT_S = 3  # --disaggregation-timeout of both instances
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 http = httpx.Client(timeout=120)
 

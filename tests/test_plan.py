@@ -405,7 +405,7 @@ def test_sparse_attention_shortens_long_context_decode_steps():
     [
         ("deepseek-v2-lite", "2:2:attn", 27 * 576 * 2),  # MLA: one latent per rank, attention TP 1
         ("qwen3-30b-a3b", "4:1", 48 * 2 * 4 * 128 * 2),  # GQA: 4 ranks with one KV head each
-        ("gpt-oss-20b", "8:1", None),  # the hybrid pool: window layers receive the last 128 only
+        ("gpt-oss-20b", "8:1", None),  # the hybrid pool: window layers receive the last 127 only
     ],
 )
 def test_pd_mode_counts_the_kv_each_request_moves(capsys, model, decode, per_token):
@@ -425,7 +425,7 @@ def test_pd_mode_counts_the_kv_each_request_moves(capsys, model, decode, per_tok
     assert plan_main(args) == 0
     out = json.loads(capsys.readouterr().out)
     # gpt-oss-20b: 12 full and 12 window layers, one KV head of 64 per rank, over 8 ranks.
-    moved = 8 * (1000 + 128) * 12 * 2 * 64 * 2 if per_token is None else 1000 * per_token
+    moved = 8 * (1000 + 127) * 12 * 2 * 64 * 2 if per_token is None else 1000 * per_token
     t, p, d = out["transfer"], out["prefill"], out["decode"]
     assert t["bytes_per_request"] == moved
     groups = int(decode.split(":")[1])

@@ -7,7 +7,7 @@ that takes at the workload's request rate.
 The KV a request moves is what the decode side keeps of its prompt: every rank of the receiving DP
 group holds its own rows (MLA: the whole latent on each; GQA: its heads), so the group receives
 `attention TP x prompt tokens x bytes per token per rank`; a hybrid pool's window layers only the
-prompt's last window. Each decode rank receives its own rows over its own link.
+prompt's last W - 1 positions (what the first decode step's window queries read). Each decode rank receives its own rows over its own link.
 """
 
 from __future__ import annotations
@@ -46,7 +46,11 @@ def pd_plan(prefill: Plan, decode: Plan) -> PDPlan:
             raise ValueError(f"the {side} layout {lp.layout.name} cannot run: {lp.mem.error}")
     mem = d.mem
     window = decode.model_cfg.hf.sliding_window if mem.window_tokens_per_group else 0
-    per_rank = wl.input_len * mem.kv_bytes_per_token + min(wl.input_len, window) * mem.window_bytes_per_token
+    # The window layers' rows of the prompt's last W - 1 positions: what the first decode step reads.
+    per_rank = (
+        wl.input_len * mem.kv_bytes_per_token
+        + min(wl.input_len, max(0, window - 1)) * mem.window_bytes_per_token
+    )
     attn_tp = mem.cfg.attn_tp_size
     chunks = math.ceil(wl.input_len / p.prefill_chunk_tokens)
     prefill_s = chunks * p.prefill_chunk_s
