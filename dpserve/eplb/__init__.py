@@ -1,0 +1,1 @@
+"""Expert-parallel load balancing: redundant experts placed from recorded load."""

@@ -1,0 +1,133 @@
+"""Expert placement from recorded load (expert-parallel load balancing, EPLB): which logical expert
+each physical expert slot holds, so that with `--ep-size tp` every rank gets about the same rows.
+
+The approach is the one DeepSeek published with their EPLB, written here from its description:
+
+1. *Replicate*: a layer has `num_slots` physical slots for its `E` logical experts; every expert
+   gets one, and each spare slot goes in turn to the expert whose load per replica is the highest
+   (its rows are then split evenly between its replicas).
+2. *Pack*: the slots are dealt to the ranks, `num_slots / ranks` each, heaviest replica first, each
+   to the rank with the least load so far that still has room (balanced packing).
+3. *Hierarchically* with several nodes, when the model groups its experts (DeepSeek-V3's
+   `n_group`, which node-limited routing keeps a token within) and the groups divide over the
+   nodes: first the groups are packed onto nodes by their load, then replication and packing
+   happen inside each node over its experts, so a row's copies stay within the node its group
+   landed on. Otherwise one global pass (as DeepSeek's global policy).
+
+Ties go to the lowest index, so every rank computes the same placement from the same load.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Per MoE layer: the logical expert of each physical slot (slot s lives on rank
+    s // (num_slots / ranks)), and each expert's replica count."""
+
+    phy_to_log: torch.Tensor  # [layers, num_slots], long
+    replicas: torch.Tensor  # [layers, experts], long
+
+    @property
+    def log_to_phy(self) -> torch.Tensor:
+        """[layers, experts, most replicas]: each expert's slots, in slot order, -1 past its count."""
+        layers, slots = self.phy_to_log.shape
+        width = int(self.replicas.max())
+        out = torch.full((layers, self.replicas.shape[1], width), -1, dtype=torch.long)
+        for layer in range(layers):
+            seen = [0] * self.replicas.shape[1]
+            for s in range(slots):
+                e = int(self.phy_to_log[layer, s])
+                out[layer, e, seen[e]] = s
+                seen[e] += 1
+        return out
+
+
+def identity(layers: int, experts: int) -> Placement:
+    """The placement without EPLB: expert e in slot e, each rank a contiguous block of experts."""
+    return Placement(
+        torch.arange(experts).expand(layers, experts).clone(), torch.ones(layers, experts, dtype=torch.long)
+    )
+
+
+def replicate(load: list[float], num_slots: int) -> list[int]:
+    """Replicas per expert: one each, then every spare slot to the highest load per replica."""
+    if num_slots < len(load):
+        raise ValueError(f"{num_slots} slots cannot hold {len(load)} experts")
+    count = [1] * len(load)
+    for _ in range(num_slots - len(load)):
+        e = max(range(len(load)), key=lambda i: (load[i] / count[i], -i))
+        count[e] += 1
+    return count
+
+
+def pack(weights: list[float], bins: int) -> list[int]:
+    """The bin of each item, `len(weights) / bins` items per bin: heaviest first, each to the lightest
+    bin that still has room."""
+    if len(weights) % bins:
+        raise ValueError(f"{len(weights)} items cannot be split evenly over {bins} bins")
+    room = len(weights) // bins
+    totals, sizes, out = [0.0] * bins, [0] * bins, [0] * len(weights)
+    for i in sorted(range(len(weights)), key=lambda i: (-weights[i], i)):
+        b = min((b for b in range(bins) if sizes[b] < room), key=lambda b: (totals[b], b))
+        out[i], totals[b], sizes[b] = b, totals[b] + weights[i], sizes[b] + 1
+    return out
+
+
+def _place_layer(load: list[float], experts: list[int], num_slots: int, ranks: int) -> list[int]:
+    """The slots of `experts` (a node's, or all) over `ranks` ranks: the expert of each slot, the
+    slots of rank r at [r * num_slots / ranks, (r + 1) * num_slots / ranks)."""
+    count = replicate([load[e] for e in experts], num_slots)
+    replicas = [(e, load[e] / c) for e, c in zip(experts, count, strict=True) for _ in range(c)]
+    bins = pack([w for _, w in replicas], ranks)
+    per_rank = num_slots // ranks
+    # Within a rank, slots in logical order (a stable layout: an unchanged rank keeps its weights).
+    slots: list[list[int]] = [
+        sorted(e for (e, _), b in zip(replicas, bins, strict=True) if b == r) for r in range(ranks)
+    ]
+    assert all(len(s) == per_rank for s in slots)
+    return [e for s in slots for e in s]
+
+
+def place(load: torch.Tensor, num_slots: int, ranks: int, nodes: int = 1, groups: int = 1) -> Placement:
+    """The placement of every layer of `load` ([layers, experts]: rows each expert took) over
+    `num_slots` slots on `ranks` expert-parallel ranks spread over `nodes` nodes; `groups`: the
+    model's expert groups (1: none)."""
+    layers, experts = load.shape
+    if num_slots % ranks or ranks % nodes:
+        raise ValueError(
+            f"{num_slots} expert slots over {ranks} ranks on {nodes} node(s) do not split evenly: the slots "
+            f"(experts + redundant ones) must be a multiple of the ranks, the ranks of the nodes"
+        )
+    if num_slots < experts:
+        raise ValueError(f"{num_slots} slots cannot hold the {experts} experts")
+    hierarchical = nodes > 1 and groups > 1 and groups % nodes == 0 and experts % groups == 0
+    phy = torch.empty(layers, num_slots, dtype=torch.long)
+    for layer in range(layers):
+        w = [float(x) for x in load[layer]]
+        if not hierarchical:
+            phy[layer] = torch.tensor(_place_layer(w, list(range(experts)), num_slots, ranks))
+            continue
+        size = experts // groups
+        group_load = [sum(w[g * size : (g + 1) * size]) for g in range(groups)]
+        node_of = pack(group_load, nodes)
+        per_node = num_slots // nodes
+        for n in range(nodes):
+            mine = [e for g in range(groups) if node_of[g] == n for e in range(g * size, (g + 1) * size)]
+            lo = n * per_node
+            phy[layer, lo : lo + per_node] = torch.tensor(_place_layer(w, mine, per_node, ranks // nodes))
+    replicas = torch.stack([torch.bincount(phy[layer], minlength=experts) for layer in range(layers)])
+    return Placement(phy, replicas)
+
+
+def imbalance(load: torch.Tensor, placement: Placement, ranks: int) -> torch.Tensor:
+    """Per layer, the busiest rank's rows over the mean rank's when each expert's rows are split
+    evenly between its replicas ([layers], float; 1.0: balanced)."""
+    per_replica = load.double() / placement.replicas.double()
+    slot_load = per_replica.gather(1, placement.phy_to_log)
+    per_rank = slot_load.view(load.shape[0], ranks, -1).sum(2)
+    return per_rank.max(1).values / per_rank.mean(1).clamp_min(1e-12)

@@ -1,0 +1,108 @@
+"""Expert placement from recorded load (dpserve/eplb/placement.py), against placements computed by
+hand, and its command line on a load file as bench.one_batch writes it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dpserve.eplb import __main__ as eplb_main
+from dpserve.eplb.placement import identity, imbalance, pack, place, replicate
+
+
+def test_replicas_go_to_the_highest_load_per_replica():
+    # 8 / 1 is the highest, then 8 / 2 ties with 4 / 1: the lower index.
+    assert replicate([8, 4, 2, 2], 6) == [3, 1, 1, 1]
+    assert replicate([1, 5, 5], 5) == [1, 2, 2]
+    assert replicate([3, 3], 2) == [1, 1]
+    with pytest.raises(ValueError, match="3 slots cannot hold 4 experts"):
+        replicate([1, 1, 1, 1], 3)
+
+
+def test_packing_fills_the_lightest_bin_with_room():
+    # 10 -> 0; 9 -> 1; 3 -> 1 (12); 2 -> 0 (12); 1 -> 0 (a tie: the lower bin, now full); 1 -> 1.
+    assert pack([10, 9, 3, 2, 1, 1], 2) == [0, 1, 1, 0, 0, 1]
+    with pytest.raises(ValueError, match="5 items cannot be split evenly over 2 bins"):
+        pack([1] * 5, 2)
+
+
+def test_one_layer_by_hand():
+    """4 experts with loads 8, 4, 2, 2 on 6 slots over 2 ranks: expert 0 three times (8/3 per
+    replica); packing gives rank 0 experts 1, 0, 3 (4 + 8/3 + 2) and rank 1 experts 0, 0, 2."""
+    load = torch.tensor([[8, 4, 2, 2]])
+    p = place(load, num_slots=6, ranks=2)
+    assert p.phy_to_log.tolist() == [[0, 1, 3, 0, 0, 2]]
+    assert p.replicas.tolist() == [[3, 1, 1, 1]]
+    assert p.log_to_phy.tolist() == [[[0, 3, 4], [1, -1, -1], [5, -1, -1], [2, -1, -1]]]
+    assert imbalance(load, p, 2).tolist() == pytest.approx([(4 + 8 / 3 + 2) / 8])
+    # Without EPLB: experts 0, 1 on rank 0 and 2, 3 on rank 1 -> 12 vs 4; whole experts moved by
+    # load but no replica: 8 + 2 vs 4 + 2.
+    assert imbalance(load, identity(1, 4), 2).tolist() == pytest.approx([12 / 8])
+    assert imbalance(load, place(load, 4, 2), 2).tolist() == pytest.approx([10 / 8])
+
+
+def test_hierarchical_keeps_a_group_on_one_node():
+    """8 experts in 4 groups of 2 on 2 nodes of 2 ranks, 12 slots. Groups (loads 10, 6, 3, 1) go to
+    nodes 0, 1, 1, 0; node 0 (experts 0, 1, 6, 7) gives expert 0 three slots, node 1 (experts 2-5)
+    expert 2; each node packs its 6 slots over its 2 ranks."""
+    load = torch.tensor([[10, 0, 6, 0, 3, 0, 1, 0]])
+    p = place(load, num_slots=12, ranks=4, nodes=2, groups=4)
+    assert p.phy_to_log.tolist() == [[0, 0, 7, 0, 1, 6, 2, 4, 5, 2, 2, 3]]
+    node = p.phy_to_log[0].view(2, 6)
+    for group, home in enumerate([0, 1, 1, 0]):
+        for e in (2 * group, 2 * group + 1):
+            assert (node[home] == e).any() and not (node[1 - home] == e).any()
+    # Ranks: 20/3, 1 + 10/3, 2 + 3, 2 + 2 rows: 1.33x the mean, the price of keeping groups whole.
+    assert imbalance(load, p, 4).tolist() == pytest.approx([(20 / 3) / 5])
+    # The same load on one node: a global pass (groups need not stay together).
+    assert imbalance(load, place(load, 12, 4), 4).tolist()[0] < 4 / 3
+
+
+def test_layouts_that_do_not_split_are_named():
+    with pytest.raises(ValueError, match="10 expert slots over 4 ranks on 1 node"):
+        place(torch.ones(1, 8), 10, 4)
+    with pytest.raises(ValueError, match="4 slots cannot hold the 8 experts"):
+        place(torch.ones(1, 8), 4, 4)
+
+
+def test_skewed_load_balances_within_the_goal():
+    """A router that sends most rows to a few experts (Zipf-like): 16 redundant slots bring the
+    busiest rank within 1.15x of the mean where whole experts per rank are far above it."""
+    gen = torch.Generator().manual_seed(0)
+    ranks = torch.arange(1, 65, dtype=torch.float64)
+    load = torch.stack([(1000 / ranks**1.2)[torch.randperm(64, generator=gen)] for _ in range(3)]).round()
+    before = imbalance(load, identity(3, 64), 8)
+    after = imbalance(load, place(load, 64 + 16, 8), 8)
+    assert (before > 1.5).all() and (after <= 1.15).all()
+
+
+def test_the_command_line_reads_one_batchs_load_file(tmp_path, capsys):
+    path = tmp_path / "load.jsonl"
+    lines = [
+        {"batch_size": 1, "rows_per_expert": [[6, 2, 1, 1]]},
+        {"batch_size": 4, "rows_per_expert": [[2, 2, 1, 1]]},
+    ]
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = tmp_path / "placement.json"
+    eplb_main.main(
+        [
+            "--expert-load",
+            str(path),
+            "--ep-size",
+            "2",
+            "--ep-num-redundant-experts",
+            "2",
+            "--output",
+            str(out),
+            "--json",
+        ]
+    )
+    r = json.loads(capsys.readouterr().out)
+    assert r["load"] == [[8, 4, 2, 2]]  # the lines summed
+    assert r["imbalance_without"] == pytest.approx([12 / 8]) and r["imbalance_with"] == pytest.approx(
+        [(4 + 8 / 3 + 2) / 8]
+    )
+    saved = json.loads(out.read_text())
+    assert saved["phy_to_log"] == [[0, 1, 3, 0, 0, 2]] and saved["num_experts"] == 4 and saved["ep_size"] == 2
