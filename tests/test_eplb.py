@@ -106,3 +106,22 @@ def test_the_command_line_reads_one_batchs_load_file(tmp_path, capsys):
     )
     saved = json.loads(out.read_text())
     assert saved["phy_to_log"] == [[0, 1, 3, 0, 0, 2]] and saved["num_experts"] == 4 and saved["ep_size"] == 2
+
+
+def test_the_skewed_checkpoint_biases_two_experts(tmp_path):
+    """`router_skew` (the checkpoint of EPLB's figures) raises experts 0 and 1 in every MoE layer's
+    correction bias and changes nothing else."""
+    from safetensors.torch import load_file
+
+    from dpserve.testing.tiny_models import write_tiny_model
+
+    plain, skewed = (
+        load_file(str(write_tiny_model("deepseek_v3", tmp_path / name, router_skew=s) / "model.safetensors"))
+        for name, s in (("plain", 0.0), ("skewed", 0.3))
+    )
+    assert plain.keys() == skewed.keys()
+    biased = [k for k in plain if k.endswith("e_score_correction_bias")]
+    assert len(biased) == 2  # the tiny V3's two MoE layers
+    for k in plain:
+        expected = torch.tensor([0.3, 0.3] + [0.0] * 6) if k in biased else torch.zeros(())
+        assert torch.allclose((skewed[k] - plain[k]).float(), expected, atol=1e-6), k

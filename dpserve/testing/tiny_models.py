@@ -296,14 +296,21 @@ ARCHS: tuple[str, ...] = (*_SPECS, *MTP_ARCHS)
 
 
 def write_tiny_model(
-    arch: str, out_dir: str | Path, seed: int = 0, shard_size: str | int | None = None, mtp: bool = False
+    arch: str,
+    out_dir: str | Path,
+    seed: int = 0,
+    shard_size: str | int | None = None,
+    mtp: bool = False,
+    router_skew: float = 0.0,
 ) -> Path:
     """Write a tiny random float32 checkpoint (config, safetensors, tokenizer) and return its directory.
 
     ``shard_size`` is passed to ``save_pretrained`` as ``max_shard_size`` (e.g. ``"20KB"``) to get a
     sharded checkpoint with ``model.safetensors.index.json``. ``mtp=True`` (DeepSeek-V3, V3.2 and
     GLM-4.5; implied by the arch keys of MTP_ARCHS) adds one randomly initialized MTP layer, see
-    :func:`add_mtp_layer`.
+    :func:`add_mtp_layer`. ``router_skew`` > 0 (models whose router has a correction bias: V3, V3.2,
+    GLM-4.5, Kimi-K2) adds it to the bias of experts 0 and 1 of every MoE layer, so that they take
+    most rows: a skewed expert load, as real routing has.
     """
     if arch in MTP_ARCHS:
         arch, mtp = MTP_ARCHS[arch], True
@@ -330,6 +337,12 @@ def write_tiny_model(
     model = model_cls(config).to(torch.float32).eval()
     generator = torch.Generator().manual_seed(seed)
     _randomize_norms_and_biases(model.state_dict(), generator)
+    if router_skew:
+        biases = [t for name, t in model.state_dict().items() if name.endswith("e_score_correction_bias")]
+        if not biases:
+            raise ValueError(f"{arch}'s router has no correction bias to skew")
+        for bias in biases:
+            bias[:2] += router_skew  # the state dict's tensors share the model's storage
     model.generation_config = GenerationConfig(**special_ids)
     save_kwargs: dict[str, Any] = {} if shard_size is None else {"max_shard_size": shard_size}
     model.save_pretrained(str(out), **save_kwargs)
@@ -563,11 +576,21 @@ def main() -> None:
         help="shard the safetensors file at this size, e.g. 20KB (default: a single file)",
     )
     parser.add_argument("--mtp", action="store_true", help="add an MTP (NextN) layer (deepseek_v3 only)")
+    parser.add_argument(
+        "--router-skew",
+        type=float,
+        default=0.0,
+        help="add this to the router's correction bias of experts 0 and 1 (V3-style routers): a skewed load",
+    )
     args = parser.parse_args()
     if args.config:
         print(write_random_model(args.config, args.out, seed=args.seed))
         return
-    print(write_tiny_model(args.arch, args.out, seed=args.seed, shard_size=args.max_shard_size, mtp=args.mtp))
+    print(
+        write_tiny_model(
+            args.arch, args.out, args.seed, args.max_shard_size, mtp=args.mtp, router_skew=args.router_skew
+        )
+    )
 
 
 if __name__ == "__main__":
