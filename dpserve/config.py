@@ -115,6 +115,19 @@ class EngineConfig:
         "attention) sends each row's top-k copies only to the ranks owning those experts and back",
         choices=("none", "all_to_all"),
     )
+    ep_num_redundant_experts: int = option(
+        0,
+        "expert slots beyond one per routed expert (SGLang's name), spread evenly over the expert-parallel "
+        "ranks: the heaviest experts get replicas (--init-expert-location's load; without it an even "
+        "load is assumed) and each row's copy goes to one replica, so the busiest rank carries less. "
+        "Needs --ep-size tp; n_routed_experts + this must divide by the ranks",
+    )
+    init_expert_location: str | None = option(
+        None,
+        "where experts start with --ep-size tp: a recorded load (bench.one_batch --expert-load lines, "
+        "summed) to place replicas and experts by, or a placement python -m dpserve.eplb wrote; "
+        "unset: expert e on rank e / (experts per rank), and replicas for the lowest experts",
+    )
     enable_dp_lm_head: bool = option(
         False,
         "the LM head vocabulary-parallel inside each attention TP group: no gather of the rows to sample "
@@ -354,6 +367,14 @@ class EngineConfig:
             raise ValueError(
                 f"ep_size={self.ep_size} must be 1 (TP MoE) or tp_size={tp} (whole experts per rank)"
             )
+        if (self.ep_num_redundant_experts or self.init_expert_location) and not self.ep_size == tp > 1:
+            raise ValueError(
+                f"ep_num_redundant_experts={self.ep_num_redundant_experts} and init_expert_location place whole "
+                f"experts on expert-parallel ranks: they need ep_size=tp_size > 1 (got ep_size={self.ep_size}, "
+                f"tp_size={tp})"
+            )
+        if self.ep_num_redundant_experts < 0:
+            raise ValueError(f"ep_num_redundant_experts must be >= 0, got {self.ep_num_redundant_experts}")
         if self.moe_a2a_backend == "all_to_all" and not (self.enable_dp_attention and self.ep_size == tp > 1):
             raise ValueError(
                 f"moe_a2a_backend=all_to_all dispatches rows to expert-parallel ranks under DP attention: it "

@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from conftest import GREEDY, NEW_TOKENS, assert_matches_reference
 
 from dpserve.eplb import __main__ as eplb_main
 from dpserve.eplb.placement import identity, imbalance, pack, place, replicate
@@ -125,3 +126,82 @@ def test_the_skewed_checkpoint_biases_two_experts(tmp_path):
     for k in plain:
         expected = torch.tensor([0.3, 0.3] + [0.0] * 6) if k in biased else torch.zeros(())
         assert torch.allclose((skewed[k] - plain[k]).float(), expected, atol=1e-6), k
+
+
+@pytest.fixture(scope="module")
+def skewed(tmp_path_factory, prompts):
+    """The skewed tiny V3, transformers' greedy outputs on it, and a load recorded on it."""
+    from dpserve.testing.reference import hf_greedy_reference
+    from dpserve.testing.tiny_models import write_tiny_model
+
+    root = tmp_path_factory.mktemp("skewed")
+    model = str(write_tiny_model("deepseek_v3", root / "model", router_skew=0.3))
+    return {"model": model, "refs": hf_greedy_reference(model, prompts, NEW_TOKENS), "root": root}
+
+
+@pytest.mark.parametrize(
+    "tp,dp,a2a,redundant,from_load",
+    [(2, 2, "none", 2, False), (4, 4, "all_to_all", 4, True)],
+    ids=["2-2-2-none-even", "4-4-4-a2a-from-load"],
+)
+def test_redundant_experts_leave_outputs_unchanged(
+    engine_cache, skewed, prompts, tp, dp, a2a, redundant, from_load
+):
+    """Replicas hold the same weights: greedy tokens equal transformers' with redundant slots, placed
+    from an even load or from one recorded on the engine itself; the recorded load comes back per
+    logical expert (replicas' rows summed), and the busiest rank carries less than without."""
+    location = None
+    if from_load:
+        plain = engine_cache.get(
+            skewed["model"], tp_size=tp, dp_size=dp, enable_dp_attention=True, ep_size=tp, moe_a2a_backend=a2a
+        )
+        plain.get_expert_load(), plain.get_step_log()
+        plain.generate(input_ids=prompts, sampling_params=GREEDY)
+        load = plain.get_expert_load()
+        before = [s.expert_imbalance for g in plain.get_step_log() for s in g if s.kind == "extend"]
+        location = skewed["root"] / "load.jsonl"
+        location.write_text(json.dumps({"rows_per_expert": load}) + "\n")
+        location = str(location)
+    engine = engine_cache.get(
+        skewed["model"],
+        tp_size=tp,
+        dp_size=dp,
+        enable_dp_attention=True,
+        ep_size=tp,
+        moe_a2a_backend=a2a,
+        ep_num_redundant_experts=redundant,
+        init_expert_location=location,
+    )
+    engine.get_expert_load(), engine.get_step_log()
+    outputs = engine.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True)
+    assert_matches_reference(outputs, skewed["refs"])
+    routed = engine.get_expert_load()
+    assert len(routed[0]) == 8 and sum(map(sum, routed)) > 0  # logical experts, replicas folded in
+    if from_load:
+        assert routed == load  # the same rows went to the same experts
+        after = [s.expert_imbalance for g in engine.get_step_log() for s in g if s.kind == "extend"]
+        assert max(after) < max(before)
+
+
+def test_placements_that_cannot_serve_are_named_at_start(skewed, tmp_path):
+    from dpserve.config import EngineConfig
+    from dpserve.models.config import ModelConfig
+
+    def check(**kwargs):
+        cfg = EngineConfig(skewed["model"], tp_size=4, dp_size=4, enable_dp_attention=True, **kwargs)
+        ModelConfig.load(skewed["model"]).validate(cfg)
+
+    with pytest.raises(ValueError, match="they need ep_size=tp_size > 1 .got ep_size=1"):
+        check(ep_num_redundant_experts=4)
+    with pytest.raises(
+        ValueError,
+        match=r"n_routed_experts=8 \+ ep_num_redundant_experts=2 is not divisible by "
+        r"ep_size=4 .*; redundant experts that spread evenly: 0 \+ a multiple of 4",
+    ):
+        check(ep_size=4, ep_num_redundant_experts=2)
+    other = tmp_path / "other.jsonl"
+    other.write_text(json.dumps({"rows_per_expert": [[1] * 16] * 3}) + "\n")
+    with pytest.raises(ValueError, match="records 3 MoE layers x 16 experts; this model has 2 x 8"):
+        check(ep_size=4, init_expert_location=str(other))
+    with pytest.raises(ValueError, match="No such file"):
+        check(ep_size=4, init_expert_location=str(tmp_path / "missing.json"))

@@ -149,6 +149,13 @@ def run_batch(engine: Engine, args: argparse.Namespace, batch: int) -> dict:
         "median_decode_host_latency": host_latency,
         "median_decode_mlp_rows": statistics.median(s.mlp_rows for s in decode) if decode else None,
         "decode_padded_steps": sum(s.padded for s in decode),
+        # MoE: the busiest expert-parallel rank's rows over the mean rank's (1.0 without MoE or EP)
+        "mean_prefill_expert_imbalance": statistics.mean(s.expert_imbalance for s in prefill)
+        if prefill
+        else None,
+        "mean_decode_expert_imbalance": statistics.mean(s.expert_imbalance for s in decode)
+        if decode
+        else None,
         # bytes a rank sends per step (mean over the groups' leaders): median prefill step, decode step
         "median_prefill_comm_bytes": statistics.median(prefill_sent) if prefill else None,
         "median_decode_comm_bytes": statistics.median(decode_sent) if decode else None,
@@ -180,6 +187,9 @@ def report(r: dict) -> str:
             f"(dpserve.bench.roofline): the decode step is {fmt(step_over_floor(r), '.2f')}x the floor",
             f"Bytes sent per rank. prefill step: {fmt(r['median_prefill_comm_bytes'], '.0f')}, "
             f"decode step: {fmt(r['median_decode_comm_bytes'], '.0f')} (medians)",
+            f"Expert load. busiest rank over the mean rank, prefill steps: "
+            f"{fmt(r['mean_prefill_expert_imbalance'], '.3f')}, decode steps: "
+            f"{fmt(r['mean_decode_expert_imbalance'], '.3f')} (means)",
             f"Total. latency: {r['total_latency']:6.3f} s, "
             f"throughput: {r['overall_throughput']:9.2f} token/s",
         ]

@@ -16,31 +16,8 @@ from __future__ import annotations
 import argparse
 import json
 
-import torch
-
 from dpserve.cli import HelpFormatter, positive_int
-from dpserve.eplb.placement import identity, imbalance, place
-
-
-def read_load(path: str) -> torch.Tensor:
-    """[layers, experts]: the rows of every line of a load file summed."""
-    total = None
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rows = torch.tensor(json.loads(line)["rows_per_expert"], dtype=torch.long)
-            except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}:{n}: not a line of rows_per_expert ({e})") from None
-            if total is not None and rows.shape != total.shape:
-                raise ValueError(
-                    f"{path}:{n}: {list(rows.shape)} layers x experts, earlier lines {list(total.shape)}"
-                )
-            total = rows if total is None else total + rows
-    if total is None or total.dim() != 2:
-        raise ValueError(f"{path}: no expert load in it")
-    return total
+from dpserve.eplb.placement import identity, imbalance, place, read_load
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -19,9 +19,16 @@ Ties go to the lowest index, so every rank computes the same placement from the 
 
 from __future__ import annotations
 
+import functools
+import json
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from dpserve.config import EngineConfig
+    from dpserve.models.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -131,3 +138,78 @@ def imbalance(load: torch.Tensor, placement: Placement, ranks: int) -> torch.Ten
     slot_load = per_replica.gather(1, placement.phy_to_log)
     per_rank = slot_load.view(load.shape[0], ranks, -1).sum(2)
     return per_rank.max(1).values / per_rank.mean(1).clamp_min(1e-12)
+
+
+def read_load(path: str) -> torch.Tensor:
+    """[layers, experts]: the rows of every line of a load file (bench.one_batch's --expert-load) summed."""
+    total = None
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rows = torch.tensor(json.loads(line)["rows_per_expert"], dtype=torch.long)
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"{path}:{n}: not a line of rows_per_expert ({e})") from None
+            if total is not None and rows.shape != total.shape:
+                raise ValueError(
+                    f"{path}:{n}: {list(rows.shape)} layers x experts, earlier lines {list(total.shape)}"
+                )
+            total = rows if total is None else total + rows
+    if total is None or total.dim() != 2:
+        raise ValueError(f"{path}: no expert load in it")
+    return total
+
+
+def engine_placement(cfg: EngineConfig, model_cfg: ModelConfig) -> Placement:
+    """The placement an engine starts with: from --init-expert-location (a recorded load, or a
+    placement python -m dpserve.eplb wrote), else from an even load; one row per MoE layer of the
+    model (an MTP layer's MoE takes `uniform_row`). Raises ValueError naming what does not fit."""
+    spec = model_cfg.moe
+    layers = model_cfg.num_layers - len(model_cfg.dense_layers)
+    groups = spec.num_groups if spec.topk_method in ("group_limited_greedy", "noaux_tc") else 1
+    return _placement(
+        cfg.init_expert_location,
+        layers,
+        spec.num_experts,
+        spec.num_experts + cfg.ep_num_redundant_experts,
+        cfg.ep_size,
+        cfg.nnodes,
+        groups,
+    )
+
+
+@functools.cache
+def _placement(
+    path: str | None, layers: int, experts: int, slots: int, ranks: int, nodes: int, groups: int
+) -> Placement:
+    if path is None:
+        return place(torch.ones(layers, experts), slots, ranks, nodes, groups)
+    try:
+        with open(path) as f:
+            saved = json.loads(f.read())
+    except ValueError:  # several lines: a load file
+        saved = None
+    except OSError as e:
+        raise ValueError(f"init_expert_location {path}: {e.strerror}") from None
+    if isinstance(saved, dict) and "phy_to_log" in saved:
+        phy = torch.tensor(saved["phy_to_log"], dtype=torch.long)
+        want = {"num_experts": experts, "num_slots": slots, "ep_size": ranks}
+        got = {k: saved.get(k) for k in want}
+        if got != want or phy.shape != (layers, slots) or not ((phy >= 0) & (phy < experts)).all():
+            raise ValueError(
+                f"init_expert_location {path} places {got['num_experts']} experts in {got['num_slots']} slots "
+                f"over {got['ep_size']} ranks for {phy.shape[0]} MoE layers; this engine has {experts} experts, "
+                f"{slots} slots over {ranks} ranks and {layers} MoE layers"
+            )
+        replicas = torch.stack([torch.bincount(row, minlength=experts) for row in phy])
+        if not (replicas > 0).all():
+            raise ValueError(f"init_expert_location {path} leaves an expert without a slot")
+        return Placement(phy, replicas)
+    load = read_load(path)
+    if load.shape != (layers, experts):
+        raise ValueError(
+            f"init_expert_location {path} records {load.shape[0]} MoE layers x {load.shape[1]} experts; this "
+            f"model has {layers} x {experts}"
+        )
+    return place(load, slots, ranks, nodes, groups)

@@ -80,8 +80,11 @@ def select_experts(
 
 class MoE(nn.Module):
     """Routed experts plus shared experts. Tensor-parallel: every expert, its intermediate dimension
-    split over WORLD. Expert-parallel (`experts`: (first, count) of this rank): whole experts, the
-    rows routed elsewhere contribute nothing here (the reduce over WORLD adds the other ranks')."""
+    split over WORLD. Expert-parallel (`experts`: (first, count) of this rank's slots): whole experts,
+    the rows routed elsewhere contribute nothing here (the reduce over WORLD adds the other ranks').
+    With a `placement` (the logical expert of every slot, redundant ones included: EPLB) a row's
+    choice of expert e goes to one of e's replicas, in turn by row and choice: every rank computes
+    the same slot for the same gathered row, and no value is read back."""
 
     def __init__(
         self,
@@ -92,6 +95,7 @@ class MoE(nn.Module):
         experts: tuple[int, int] | None = None,
         a2a: bool = False,
         world_group: ProcessGroup | None = None,
+        placement: torch.Tensor | None = None,
     ):
         super().__init__()
         h, e = hidden, spec.num_experts
@@ -105,6 +109,21 @@ class MoE(nn.Module):
             else None
         )
         n = self.num_experts
+        # Slots: one per expert, or the placement's (each slot's expert; a replica's slots in turn).
+        self.num_slots = e if placement is None else len(placement)
+        first = self.first_expert
+        self.slot_experts = (
+            list(range(first, first + n)) if placement is None else placement[first : first + n].tolist()
+        )
+        self.phy_to_log = self.replicas = self.replica_slots = None
+        if placement is not None:  # made where the gate is (the model is built on its device)
+            device = self.gate.device
+            self.phy_to_log = torch.as_tensor(placement).to(device)
+            self.replicas = torch.bincount(self.phy_to_log, minlength=e)
+            slots = [[s for s in range(len(placement)) if placement[s] == x] for x in range(e)]
+            width = max(map(len, slots))
+            padded = [s + [s[0]] * (width - len(s)) for s in slots]
+            self.replica_slots = torch.tensor(padded, device=device)  # [experts, most replicas]
         self.router_bias = (
             nn.Parameter(torch.zeros(e, dtype=torch.float32), requires_grad=False)
             if spec.router_bias
@@ -132,9 +151,9 @@ class MoE(nn.Module):
         # all_to_all dispatch over WORLD: every rank keeps its own rows, and runs the shared experts
         # on them whole rather than gathering rows for a split (no collective for them at all).
         self.a2a, self.world_group = a2a, world_group
-        # Rows routed to each expert (all experts) since the runner last took it: this rank's rows
-        # (own rows) or every group's (gathered). A plain tensor: not a weight the planner counts.
-        self.load = torch.zeros(e, dtype=torch.long)
+        # Rows routed to each slot (all slots) since the runner last took it: this rank's rows (own
+        # rows) or every group's (gathered). A plain tensor: not a weight the planner counts.
+        self.load = torch.zeros(self.num_slots, dtype=torch.long)
         self.shared_experts = MLP(h, shared_local, replicated=a2a) if shared_local else None
 
     @property
@@ -149,7 +168,7 @@ class MoE(nn.Module):
         real rows' choices into `load`."""
         out = self.shared_experts(x) if self.shared_experts is not None else torch.zeros_like(x)
         if self.a2a:
-            world = self.gate.shape[0] // self.num_experts
+            world = self.num_slots // self.num_experts
             padded = layout is not None and layout.padded
             weights, ids = self._route(x, real_rows)
             routed = dispatch_combine(
@@ -162,15 +181,23 @@ class MoE(nn.Module):
         )
         for lo in range(0, x.shape[0], step):
             rows = slice(lo, lo + step)
-            weights, ids = self._route(x[rows], None if real_rows is None else real_rows[rows])
+            weights, ids = self._route(x[rows], None if real_rows is None else real_rows[rows], lo)
             # Experts of other ranks (expert-parallel) fall outside [0, num_experts): skipped.
             out[rows] += self._routed(x[rows], weights, ids - self.first_expert)
         return out
 
-    def _route(self, x: torch.Tensor, real_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights, expert ids) of each row, from float32 router logits; counts real rows' choices."""
+    def _route(
+        self, x: torch.Tensor, real_rows: torch.Tensor | None, first_row: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, slot ids) of each row, from float32 router logits (`first_row`: the first row's
+        index in the step's rows); counts real rows' choices per slot."""
         logits = F.linear(x.float(), self.gate, self.router_bias)
         weights, ids = select_experts(logits, self.spec, self.correction_bias)
+        if self.replica_slots is not None:  # choice j of row i: replica (i * top_k + j) mod replicas
+            turn = torch.arange(
+                first_row * self.top_k, first_row * self.top_k + ids.numel(), device=ids.device
+            )
+            ids = self.replica_slots[ids, turn.view_as(ids) % self.replicas[ids]]
         if real_rows is not None:
             self.load.index_add_(0, ids.flatten(), real_rows.repeat_interleave(self.top_k))
         return weights, ids
@@ -196,6 +223,13 @@ class MoE(nn.Module):
         self.packed = ([pack(w) for w in self.w13], [pack(w) for w in self.w2])
         self.w13 = self.w2 = None  # their storage goes: the packed copies replace them
         return True
+
+    def expert_rows(self, slot_rows: torch.Tensor) -> torch.Tensor:
+        """Rows per logical expert from rows per slot (a replica's rows added to its expert's)."""
+        if self.phy_to_log is None:
+            return slot_rows
+        out = torch.zeros(self.gate.shape[0], dtype=slot_rows.dtype, device=slot_rows.device)
+        return out.index_add_(0, self.phy_to_log.to(slot_rows.device), slot_rows)
 
     def _unweighted(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Each row through its one local expert (-1: none, zero output), as a dispatch delivers them."""

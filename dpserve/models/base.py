@@ -12,6 +12,7 @@ from torch import nn
 from dpserve.attention.backend import AttentionBackend
 from dpserve.config import EngineConfig
 from dpserve.distributed import Groups, Topology, all_gather
+from dpserve.eplb.placement import engine_placement
 from dpserve.kvcache.pool import KVPool
 from dpserve.layers.dp_comm import DPComm
 from dpserve.layers.mlp import MLP, MoE
@@ -69,9 +70,15 @@ def build_mlp(cfg: ModelConfig, groups: Groups, options: EngineConfig, index: in
     shared_local = shared if a2a else shared // t
     if options.ep_size == 1:
         return MoE(spec, h, spec.intermediate_size // t, shared_local)
-    per_rank = spec.num_experts // options.ep_size
+    slots = spec.num_experts + options.ep_num_redundant_experts
+    per_rank = slots // options.ep_size
     experts = (groups.topo.rank * per_rank, per_rank)
-    return MoE(spec, h, spec.intermediate_size, shared_local, experts, a2a, groups.world)
+    placement = None
+    if options.ep_num_redundant_experts or options.init_expert_location:  # physical slots apart from experts
+        table = engine_placement(options, cfg)
+        ordinal = sum(spec.is_moe_layer(i) for i in range(index))  # an MTP layer's: the last layer's row
+        placement = table.phy_to_log[min(ordinal, len(table.phy_to_log) - 1)]
+    return MoE(spec, h, spec.intermediate_size, shared_local, experts, a2a, groups.world, placement)
 
 
 def mlp_weights(mlp: MLP, prefix: str, topo: Topology) -> list[Weight]:
@@ -97,9 +104,9 @@ def moe_weights(moe: MoE, prefix: str, topo: Topology) -> list[Weight]:
     out = [Weight(f"{prefix}.gate.weight", moe.gate)]
     if moe.correction_bias is not None:
         out.append(Weight(f"{prefix}.gate.e_score_correction_bias", moe.correction_bias))
-    for local in range(moe.num_experts):
+    for local, expert in enumerate(moe.slot_experts):
         gate, up = moe.w13[local].chunk(2)
-        name = f"{prefix}.experts.{moe.first_expert + local}"
+        name = f"{prefix}.experts.{expert}"
         part = (None, 0) if whole else (0, topo.rank)
         out += [
             Weight(f"{name}.gate_proj.weight", gate, *part),
@@ -123,15 +130,22 @@ def fused_expert_weights(moe: MoE, prefix: str, topo: Topology, whole: bool) -> 
 
     experts = f"{prefix}.experts"
     out = [Weight(f"{prefix}.router.weight", moe.gate), Weight(f"{prefix}.router.bias", moe.router_bias)]
-    if whole:  # this rank's experts, whole
-        return out + [
-            Weight(
-                f"{experts}.gate_up_proj", moe.w13, 0, r, transform=lambda t: gate_then_up(t).transpose(1, 2)
-            ),
-            Weight(f"{experts}.down_proj", moe.w2, 0, r, transform=lambda t: t.transpose(1, 2)),
-            Weight(f"{experts}.gate_up_proj_bias", moe.b13, 0, r, transform=gate_then_up),
-            Weight(f"{experts}.down_proj_bias", moe.b2, 0, r),
-        ]
+    if whole:  # this rank's slots, each its expert whole
+        for s, e in enumerate(moe.slot_experts):
+            one = slice(s, s + 1)
+            out += [
+                Weight(
+                    f"{experts}.gate_up_proj",
+                    moe.w13[one],
+                    0,
+                    e,
+                    transform=lambda t: gate_then_up(t).transpose(1, 2),
+                ),
+                Weight(f"{experts}.down_proj", moe.w2[one], 0, e, transform=lambda t: t.transpose(1, 2)),
+                Weight(f"{experts}.gate_up_proj_bias", moe.b13[one], 0, e, transform=gate_then_up),
+                Weight(f"{experts}.down_proj_bias", moe.b2[one], 0, e),
+            ]
+        return out
     out += [
         Weight(
             f"{experts}.gate_up_proj",

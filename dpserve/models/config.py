@@ -109,10 +109,22 @@ class ModelConfig:
         moe = self.moe
         if cfg.ep_size > 1 and moe is None:
             raise ValueError(f"ep_size={cfg.ep_size} splits routed experts, but {self.arch} has none")
-        if cfg.ep_size > 1 and moe.num_experts % cfg.ep_size:
-            raise ValueError(
-                f"{moe.experts_field}={moe.num_experts} is not divisible by ep_size={cfg.ep_size} {layout}"
+        slots = moe.num_experts + cfg.ep_num_redundant_experts if moe else 0
+        if cfg.ep_size > 1 and slots % cfg.ep_size:
+            fits = [r for r in range(cfg.ep_size) if (moe.num_experts + r) % cfg.ep_size == 0]
+            redundant = (
+                f" + ep_num_redundant_experts={cfg.ep_num_redundant_experts}"
+                if cfg.ep_num_redundant_experts
+                else ""
             )
+            raise ValueError(
+                f"{moe.experts_field}={moe.num_experts}{redundant} is not divisible by ep_size={cfg.ep_size} "
+                f"{layout}; redundant experts that spread evenly: {fits[0]} + a multiple of {cfg.ep_size}"
+            )
+        if cfg.ep_size > 1 and (cfg.ep_num_redundant_experts or cfg.init_expert_location):
+            from dpserve.eplb.placement import engine_placement  # reads the location file once
+
+            engine_placement(cfg, self)
         # What is split over the tp ranks: dense MLPs (unless replicated), each routed expert (TP
         # MoE), the shared experts (unless replicated beside all_to_all dispatch).
         sizes = {}

@@ -265,8 +265,8 @@ class Worker:
         self.step_log: deque[StepRecord] = deque(maxlen=STEP_LOG_LEN)
         moes = runner.model.moe_layers
         # Rows per expert of every MoE layer since the front end last asked ([layers, experts]).
-        experts = moes[0].gate.shape[0] if moes else 0
-        self.expert_load = torch.zeros(len(moes), experts, dtype=torch.long, device=device)  # read when asked
+        slots = moes[0].num_slots if moes else 0  # one per expert, or EPLB's physical slots
+        self.expert_load = torch.zeros(len(moes), slots, dtype=torch.long, device=device)  # read when asked
         self._pending: tuple[StepRecord, torch.Tensor, torch.cuda.Event | None] | None = None
         self.report = StepReport(self.dp_rank)
         figures = {k: getattr(runner, k) for k in RANK_FIGURES}
@@ -500,10 +500,11 @@ class Worker:
                 self.scheduler.set_destination(msg["rid"], msg["dest"])
             elif msg["type"] == "wake":  # another group has work: join its steps
                 pass
-            elif msg["type"] == "get_expert_load":
-                self.out.send_pyobj(
-                    {"type": "expert_load", "dp_rank": self.dp_rank, "load": self.expert_load.cpu()}
-                )
+            elif msg["type"] == "get_expert_load":  # rows per logical expert (replicas' summed)
+                moes = self.runner.model.moe_layers
+                rows = zip(moes, self.expert_load, strict=True)
+                load = torch.stack([moe.expert_rows(r) for moe, r in rows])
+                self.out.send_pyobj({"type": "expert_load", "dp_rank": self.dp_rank, "load": load.cpu()})
                 self.expert_load.zero_()
             elif msg["type"] == "get_step_log":
                 self._log_pending()
