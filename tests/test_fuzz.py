@@ -16,7 +16,7 @@ from schemathesis.config import SchemathesisWarning
 
 from dpserve.testing.server import ServerProcess
 
-FUZZ_SECONDS = 20  # schemathesis' time budget; docs/operations.md has the longer run
+FUZZ_SECONDS = 12  # schemathesis' time budget; docs/operations.md has the longer run
 # Every warning but validation_mismatch ("an operation mostly rejected generated data"): chat
 # requests carry grammars (json_schema, regex, ebnf, response_format's schema, tools' parameters),
 # whose validity (a schema, pattern or grammar xgrammar can parse) no JSON Schema can state; the

@@ -164,7 +164,7 @@ def _rank(rank: int, world: int, port: int, model_path: str, variants: list[dict
 # A variant's "arch" runs that tiny model in place of DeepSeek-V2 (V3.2: its indexer and sparse MLA,
 # the contexts past its index_topk of 8).
 LAYOUTS = [
-    (1, [{}, {"arch": "deepseek_v32"}]),
+    (1, [{"arch": "deepseek_v32"}]),  # V3.2's sparse path; V2's step runs at tp 2 below
     (
         2,
         [
