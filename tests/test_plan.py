@@ -450,3 +450,19 @@ def test_pd_mode_names_a_side_that_cannot_run(capsys):
     ]
     assert plan_main(args) == 2
     assert "the decode layout tp3 dp2 dp-attn cannot run" in capsys.readouterr().err
+
+
+def test_redundant_experts_cost_weights_and_kv(capsys):
+    """--ep-num-redundant-experts: each rank holds (E + R) / T experts; the planner counts their
+    weights exactly (DeepSeek-V3 at tp16 ep16, R = 32: two more experts per rank in each of the 58
+    MoE layers) and the KV they displace; a layout without expert parallelism names why it cannot."""
+    out = {}
+    for r in (0, 32):
+        args = ["--model", "deepseek-v3", "--device", "cuda", "--device-profile", "h200", "--num-gpus", "16"]
+        args += ["--nnodes", "2", "--layout", "16:16:attn:ep", "16:16:attn", "--json"]
+        assert plan_main([*args, "--ep-num-redundant-experts", str(r)]) == 0
+        out[r] = json.loads(capsys.readouterr().out)["layouts"]
+    ep = {r: out[r][0] for r in out}
+    assert ep[32]["weight_bytes_per_rank"] - ep[0]["weight_bytes_per_rank"] == 2 * 58 * 3 * 7168 * 2048 * 2
+    assert ep[32]["kv_tokens_per_group"] < ep[0]["kv_tokens_per_group"]
+    assert not out[32][1]["valid"] and "they need ep_size=tp_size > 1 (got ep_size=1" in out[32][1]["reason"]

@@ -168,15 +168,16 @@ def engine_placement(cfg: EngineConfig, model_cfg: ModelConfig) -> Placement:
     spec = model_cfg.moe
     layers = model_cfg.num_layers - len(model_cfg.dense_layers)
     groups = spec.num_groups if spec.topk_method in ("group_limited_greedy", "noaux_tc") else 1
-    return _placement(
-        cfg.init_expert_location,
-        layers,
-        spec.num_experts,
-        spec.num_experts + cfg.ep_num_redundant_experts,
-        cfg.ep_size,
-        cfg.nnodes,
-        groups,
-    )
+    with torch.device("cpu"):  # host tables, whatever device the model is being built on
+        return _placement(
+            cfg.init_expert_location,
+            layers,
+            spec.num_experts,
+            spec.num_experts + cfg.ep_num_redundant_experts,
+            cfg.ep_size,
+            cfg.nnodes,
+            groups,
+        )
 
 
 @functools.cache

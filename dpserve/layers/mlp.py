@@ -117,12 +117,14 @@ class MoE(nn.Module):
         )
         self.phy_to_log = self.replicas = self.replica_slots = None
         if placement is not None:  # made where the gate is (the model is built on its device)
-            device = self.gate.device
-            self.phy_to_log = torch.as_tensor(placement).to(device)
-            self.replicas = torch.bincount(self.phy_to_log, minlength=e)
-            slots = [[s for s in range(len(placement)) if placement[s] == x] for x in range(e)]
+            device, experts_of = self.gate.device, placement.tolist()
+            slots: list[list[int]] = [[] for _ in range(e)]
+            for s, x in enumerate(experts_of):
+                slots[x].append(s)
             width = max(map(len, slots))
             padded = [s + [s[0]] * (width - len(s)) for s in slots]
+            self.phy_to_log = torch.tensor(experts_of, device=device)
+            self.replicas = torch.tensor([len(s) for s in slots], device=device)
             self.replica_slots = torch.tensor(padded, device=device)  # [experts, most replicas]
         self.router_bias = (
             nn.Parameter(torch.zeros(e, dtype=torch.float32), requires_grad=False)

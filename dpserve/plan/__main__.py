@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 # The engine options the planner's figures depend on.
 PLANNED_OPTIONS = (
     "dtype",
+    "ep_num_redundant_experts",
     "mem_fraction_static",
     "kv_cache_memory_gb",
     "max_total_tokens",

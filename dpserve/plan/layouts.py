@@ -223,6 +223,7 @@ def meta_model(model_cfg: ModelConfig, cfg: EngineConfig, rank: int = 0):
         cfg.moe_a2a_backend,
         cfg.enable_dp_lm_head,
         cfg.moe_dense_tp_size,
+        cfg.ep_num_redundant_experts,
     )
     key = (id(model_cfg), topo, cfg.dtype, shaping)
     if key not in _MODEL_CACHE:
