@@ -3,6 +3,7 @@ one pool written straight into another's registered pool, over TCP on loopback."
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing as mp
 
@@ -72,10 +73,14 @@ def test_the_transfer_benchmark_moves_every_byte(capsys):
     assert set(r["vs_floor"]) == {"floor", "one run", "runs of 16"} and r["vs_floor"]["floor"] == 1.0
 
 
-def test_rows_land_in_the_peers_pool():
+@contextlib.contextmanager
+def peer_pool(shapes=SHAPES):
+    """A random pool registered here and a zeroed one (`shapes`) in a peer process: yields (this
+    side's transfer engine and pool, the peer's descriptor, a function that ends the peer and
+    returns its pool's buffers)."""
     ctx = mp.get_context("spawn")
     descriptors, results = ctx.Queue(), ctx.Queue()
-    peer = ctx.Process(target=receive, args=(descriptors, results), daemon=True)
+    peer = ctx.Process(target=receive, args=(descriptors, results, shapes), daemon=True)
     peer.start()
     try:
         pool = make_pool()
@@ -85,62 +90,48 @@ def test_rows_land_in_the_peers_pool():
         transfer = KVTransfer("127.0.0.1")
         transfer.register(pool)
         target = PoolDescriptor.from_json(descriptors.get(timeout=60))
+
+        def received() -> list[torch.Tensor]:
+            results.put("done")
+            return [torch.from_numpy(buf) for layer in results.get(timeout=60) for buf in layer]
+
+        yield transfer, pool, target, received
+        transfer.close()
+    finally:
+        peer.join(timeout=60)
+        if peer.is_alive():
+            peer.kill()
+    assert peer.exitcode == 0
+
+
+def test_rows_land_in_the_peers_pool():
+    with peer_pool() as (transfer, pool, target, received):
         full, window = [0, 1, 4, 5], [2, 3]  # layers 0 and 2; layer 1's keys and values
         parts = [(full, [3, 4, 5, 9], [10, 11, 12, 2]), (window, [1, 2], [7, 5])]
         assert transfer.write(target, parts) == (4 * 4 + 2 * 2) * 2 * 4 * 4
-        results.put("done")
-        got = results.get(timeout=60)
         buffers = [buf for layer in pool.layers for buf in layer]
-        received = [torch.from_numpy(buf) for layer in got for buf in layer]
-        for i, (src, dst) in enumerate(zip(buffers, received, strict=True)):
+        for i, (src, dst) in enumerate(zip(buffers, received(), strict=True)):
             expected = torch.zeros_like(dst)
             for _, s_slots, d_slots in (p for p in parts if i in p[0]):
                 expected[d_slots] = src[s_slots]
             assert torch.equal(dst, expected), f"buffer {i}"
         with pytest.raises(ValueError, match="the peer's pool differs"):
             transfer.write(PoolDescriptor(target.session, target.buffers[:2]), parts)
-        transfer.close()
-    finally:
-        peer.join(timeout=60)
-        if peer.is_alive():
-            peer.kill()
-    assert peer.exitcode == 0
 
 
 def test_heads_are_resliced_into_a_narrower_row():
     """Attention TP 1 (both KV heads per row) into the second rank of attention TP 2 (one head per
     row): that rank's head lands in each destination slot, nothing else."""
-    ctx = mp.get_context("spawn")
-    descriptors, results = ctx.Queue(), ctx.Queue()
-    narrow = [(1, 4), (1, 4)]
-    peer = ctx.Process(target=receive, args=(descriptors, results, narrow), daemon=True)
-    peer.start()
-    try:
-        pool = make_pool()
-        for layer in pool.layers:
-            for buf in layer:
-                buf.copy_(torch.randn(buf.shape))
-        transfer = KVTransfer("127.0.0.1")
-        transfer.register(pool)
-        target = PoolDescriptor.from_json(descriptors.get(timeout=60))
+    with peer_pool([(1, 4), (1, 4)]) as (transfer, pool, target, received):
         [heads] = [h for k, h in reslice(1, 2, 2)[0] if k == 1]
         assert heads == HeadSlice(1, 0, 1, 2, 1)
         src, dst = [3, 4, 5], [6, 7, 9]
         transfer.write(target, [([0, 1, 4, 5], src, dst)], heads)
-        results.put("done")
-        received = [torch.from_numpy(buf) for layer in results.get(timeout=60) for buf in layer]
-        for i, (mine, theirs) in enumerate(
-            zip((b for layer in pool.layers for b in layer), received, strict=True)
-        ):
+        mine = [b for layer in pool.layers for b in layer]
+        for i, (ours, theirs) in enumerate(zip(mine, received(), strict=True)):
             expected = torch.zeros_like(theirs)
             if i in (0, 1, 4, 5):
-                expected[dst] = mine[src][:, 1:2]  # the second head
+                expected[dst] = ours[src][:, 1:2]  # the second head
             assert torch.equal(theirs, expected), f"buffer {i}"
         with pytest.raises(ValueError, match="the peer's pool differs"):
             transfer.write(target, [([0], src, dst)])  # whole rows of 2 heads into rows of 1
-        transfer.close()
-    finally:
-        peer.join(timeout=60)
-        if peer.is_alive():
-            peer.kill()
-    assert peer.exitcode == 0
