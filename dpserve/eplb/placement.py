@@ -22,22 +22,22 @@ from __future__ import annotations
 import functools
 import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    from dpserve.config import EngineConfig
-    from dpserve.models.config import ModelConfig
 
 
 @dataclass(frozen=True)
 class Placement:
     """Per MoE layer: the logical expert of each physical slot (slot s lives on rank
-    s // (num_slots / ranks)), and each expert's replica count."""
+    s // (num_slots / ranks))."""
 
     phy_to_log: torch.Tensor  # [layers, num_slots], long
-    replicas: torch.Tensor  # [layers, experts], long
+    num_experts: int
+
+    @property
+    def replicas(self) -> torch.Tensor:
+        """[layers, experts]: each expert's slot count."""
+        return torch.stack([torch.bincount(row, minlength=self.num_experts) for row in self.phy_to_log])
 
     @property
     def log_to_phy(self) -> torch.Tensor:
@@ -56,9 +56,7 @@ class Placement:
 
 def identity(layers: int, experts: int) -> Placement:
     """The placement without EPLB: expert e in slot e, each rank a contiguous block of experts."""
-    return Placement(
-        torch.arange(experts).expand(layers, experts).clone(), torch.ones(layers, experts, dtype=torch.long)
-    )
+    return Placement(torch.arange(experts).expand(layers, experts).clone(), experts)
 
 
 def replicate(load: list[float], num_slots: int) -> list[int]:
@@ -127,8 +125,7 @@ def place(load: torch.Tensor, num_slots: int, ranks: int, nodes: int = 1, groups
             mine = [e for g in range(groups) if node_of[g] == n for e in range(g * size, (g + 1) * size)]
             lo = n * per_node
             phy[layer, lo : lo + per_node] = torch.tensor(_place_layer(w, mine, per_node, ranks // nodes))
-    replicas = torch.stack([torch.bincount(phy[layer], minlength=experts) for layer in range(layers)])
-    return Placement(phy, replicas)
+    return Placement(phy, experts)
 
 
 def imbalance(load: torch.Tensor, placement: Placement, ranks: int) -> torch.Tensor:
@@ -161,27 +158,18 @@ def read_load(path: str) -> torch.Tensor:
     return total
 
 
-def engine_placement(cfg: EngineConfig, model_cfg: ModelConfig) -> Placement:
-    """The placement an engine starts with: from --init-expert-location (a recorded load, or a
-    placement python -m dpserve.eplb wrote), else from an even load; one row per MoE layer of the
-    model (an MTP layer's MoE takes `uniform_row`). Raises ValueError naming what does not fit."""
-    spec = model_cfg.moe
-    layers = model_cfg.num_layers - len(model_cfg.dense_layers)
-    groups = spec.num_groups if spec.topk_method in ("group_limited_greedy", "noaux_tc") else 1
-    with torch.device("cpu"):  # host tables, whatever device the model is being built on
-        return _placement(
-            cfg.init_expert_location,
-            layers,
-            spec.num_experts,
-            spec.num_experts + cfg.ep_num_redundant_experts,
-            cfg.ep_size,
-            cfg.nnodes,
-            groups,
-        )
-
-
 @functools.cache
-def _placement(
+def start_placement(
+    path: str | None, layers: int, experts: int, slots: int, ranks: int, nodes: int, groups: int
+) -> Placement:
+    """The placement an engine starts with (once per process): from `path` (--init-expert-location:
+    a recorded load, or a placement python -m dpserve.eplb wrote), else from an even load. Raises
+    ValueError naming what does not fit this engine."""
+    with torch.device("cpu"):  # host tables, whatever device the model is being built on
+        return _start_placement(path, layers, experts, slots, ranks, nodes, groups)
+
+
+def _start_placement(
     path: str | None, layers: int, experts: int, slots: int, ranks: int, nodes: int, groups: int
 ) -> Placement:
     if path is None:
@@ -203,10 +191,10 @@ def _placement(
                 f"over {got['ep_size']} ranks for {phy.shape[0]} MoE layers; this engine has {experts} experts, "
                 f"{slots} slots over {ranks} ranks and {layers} MoE layers"
             )
-        replicas = torch.stack([torch.bincount(row, minlength=experts) for row in phy])
-        if not (replicas > 0).all():
+        placement = Placement(phy, experts)
+        if not (placement.replicas > 0).all():
             raise ValueError(f"init_expert_location {path} leaves an expert without a slot")
-        return Placement(phy, replicas)
+        return placement
     load = read_load(path)
     if load.shape != (layers, experts):
         raise ValueError(

@@ -110,14 +110,12 @@ class MoE(nn.Module):
         )
         n = self.num_experts
         # Slots: one per expert, or the placement's (each slot's expert; a replica's slots in turn).
-        self.num_slots = e if placement is None else len(placement)
-        first = self.first_expert
-        self.slot_experts = (
-            list(range(first, first + n)) if placement is None else placement[first : first + n].tolist()
-        )
+        experts_of = list(range(e)) if placement is None else placement.tolist()
+        self.num_slots = len(experts_of)
+        self.slot_experts = experts_of[self.first_expert : self.first_expert + n]
         self.phy_to_log = self.replicas = self.replica_slots = None
         if placement is not None:  # made where the gate is (the model is built on its device)
-            device, experts_of = self.gate.device, placement.tolist()
+            device = self.gate.device
             slots: list[list[int]] = [[] for _ in range(e)]
             for s, x in enumerate(experts_of):
                 slots[x].append(s)

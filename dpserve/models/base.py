@@ -12,7 +12,6 @@ from torch import nn
 from dpserve.attention.backend import AttentionBackend
 from dpserve.config import EngineConfig
 from dpserve.distributed import Groups, Topology, all_gather
-from dpserve.eplb.placement import engine_placement
 from dpserve.kvcache.pool import KVPool
 from dpserve.layers.dp_comm import DPComm
 from dpserve.layers.mlp import MLP, MoE
@@ -75,7 +74,7 @@ def build_mlp(cfg: ModelConfig, groups: Groups, options: EngineConfig, index: in
     experts = (groups.topo.rank * per_rank, per_rank)
     placement = None
     if options.ep_num_redundant_experts or options.init_expert_location:  # physical slots apart from experts
-        table = engine_placement(options, cfg)
+        table = cfg.expert_placement(options)
         ordinal = sum(spec.is_moe_layer(i) for i in range(index))  # an MTP layer's: the last layer's row
         placement = table.phy_to_log[min(ordinal, len(table.phy_to_log) - 1)]
     return MoE(spec, h, spec.intermediate_size, shared_local, experts, a2a, groups.world, placement)

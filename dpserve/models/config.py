@@ -10,6 +10,7 @@ from pathlib import Path
 from transformers import AutoConfig, PretrainedConfig
 
 from dpserve.config import EngineConfig
+from dpserve.eplb.placement import Placement, start_placement
 from dpserve.models.family import FAMILIES, SERVED, Family, MoESpec
 from dpserve.models.loader import CheckpointReader
 
@@ -122,9 +123,7 @@ class ModelConfig:
                 f"{layout}; redundant experts that spread evenly: {fits[0]} + a multiple of {cfg.ep_size}"
             )
         if cfg.ep_size > 1 and (cfg.ep_num_redundant_experts or cfg.init_expert_location):
-            from dpserve.eplb.placement import engine_placement  # reads the location file once
-
-            engine_placement(cfg, self)
+            self.expert_placement(cfg)  # the location file read and checked before any rank starts
         # What is split over the tp ranks: dense MLPs (unless replicated), each routed expert (TP
         # MoE), the shared experts (unless replicated beside all_to_all dispatch).
         sizes = {}
@@ -141,6 +140,21 @@ class ModelConfig:
                     f"{name}={size} is not divisible by tp_size={t} {layout}; tp sizes up to {t} that "
                     f"divide it: {', '.join(map(str, tps))}"
                 )
+
+    def expert_placement(self, cfg: EngineConfig) -> Placement:
+        """The slots' experts an engine starts with in every MoE layer (EPLB: `--ep-num-redundant-
+        experts`, `--init-expert-location`); an MTP layer's MoE takes the last layer's row."""
+        spec = self.moe
+        groups = spec.num_groups if spec.topk_method in ("group_limited_greedy", "noaux_tc") else 1
+        return start_placement(
+            cfg.init_expert_location,
+            self.num_layers - len(self.dense_layers),
+            spec.num_experts,
+            spec.num_experts + cfg.ep_num_redundant_experts,
+            cfg.ep_size,
+            cfg.nnodes,
+            groups,
+        )
 
     @property
     def dense_layers(self) -> list[int]:
