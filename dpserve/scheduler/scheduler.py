@@ -104,9 +104,7 @@ class Scheduler:
         # Decode: requests whose slots this step reserved (their destination goes to the prefill
         # side), and slots of ended requests the prefill side may still write into.
         self.reserved: list[Req] = []
-        self.limbo: dict[
-            str, tuple[list[int], list[int]]
-        ] = {}  # rid -> full slots, those holding window slots
+        self.limbo: dict[str, tuple[list[int], list[int]]] = {}  # rid -> its slots, those with window slots
         self.free_rows = list(range(max_running, 0, -1))  # row 0 is the padding row
         self.seeds = random.Random(seed + dp_rank)  # of requests without their own
         self.token_counts = TokenCounts(vocab_size, max_running, self.device)  # for penalties
@@ -193,7 +191,7 @@ class Scheduler:
         """Decode: the prefill side wrote `rid`'s prompt KV (with NEXTN its MTP layer's too) and
         sampled `token` (and drafted `drafts`): it decodes from its next step. Returns its token as
         process_samples does, and its output if that token ends it."""
-        req = next((r for r in self.running if r.rid == rid and r.awaiting), None)
+        req = self._awaiting(rid)
         if req is None:
             return [], []
         req.awaiting = False
@@ -213,17 +211,25 @@ class Scheduler:
     def kv_failed(self, rid: str, message: str, write_failed: bool = False) -> dict | None:
         """Decode: `rid`'s KV will not come (`write_failed`: the prefill side could not write it);
         it fails with 503 naming why."""
-        req = next((r for r in self.running if r.rid == rid and r.awaiting), None)
+        req = self._awaiting(rid)
         if req is None:
             return None
         reason = {"type": "abort", "message": message, "status_code": 503, "write_failed": write_failed}
         return self._finish(req, reason)
 
+    def _awaiting(self, rid: str) -> Req | None:
+        """Decode: the running request `rid` while it awaits its KV."""
+        return next((r for r in self.running if r.rid == rid and r.awaiting), None)
+
+    def window_slots(self, req: Req) -> list[int]:
+        """The window slots `req` holds (of its positions from `window_lo`); none without the hybrid
+        pool. Under disaggregation: the prompt's last W - 1 positions, what the first decode step's
+        window queries read, sent by one side and received by the other."""
+        return self.windows.slots_of(req.slots[req.window_lo :]) if self.windows else []
+
     def _send(self, req: Req) -> KVSend:
-        """Prefill: the send order of a held request: its prompt's slots, and the window slots of
-        the prompt's last W - 1 positions (what the decode side's first queries read)."""
-        window = self.windows.slots_of(req.slots[req.window_lo :]) if self.windows else []
-        return KVSend(req.slots, self.destinations[req.rid], window)
+        """Prefill: the send order of a held request: its prompt's slots and its window slots."""
+        return KVSend(req.slots, self.destinations[req.rid], self.window_slots(req))
 
     def free_limbo(self, rid: str) -> None:
         """Decode: the prefill side will not write into the ended request `rid`'s slots any more."""
@@ -268,7 +274,7 @@ class Scheduler:
             prefix = list(req.slots) if req.prefix_pending else []  # KV the prefill instance wrote
             window = []
             if self.windows is not None:
-                held = self.windows.slots_of(req.slots[req.window_lo :]) if req.prefix_pending else []
+                held = self.window_slots(req) if req.prefix_pending else []
                 window = held + self.windows.acquire(slots)
             req.prefix_pending = False
             batch.reqs.append(
@@ -466,16 +472,16 @@ class Scheduler:
         request still awaiting its KV leaves its slots in limbo: the prefill side may be writing."""
         if req.awaiting:
             self.limbo[req.rid] = (req.slots, req.slots[req.window_lo :] if self.windows else [])
-        elif self.tree is not None:
-            self._trim_window(req, req.kv_len)
-            self._cache(req)
-            self.tree.unlock(req.node)
-            if self.windows is not None:
-                self.windows.drop(req.dup_slots)
-            self.allocator.free(req.dup_slots)
         else:
             self._trim_window(req, req.kv_len)
-            self.allocator.free(req.slots)
+            if self.tree is not None:
+                self._cache(req)
+                self.tree.unlock(req.node)
+                if self.windows is not None:
+                    self.windows.drop(req.dup_slots)
+                self.allocator.free(req.dup_slots)
+            else:
+                self.allocator.free(req.slots)
         self.free_rows.append(req.row)
         self.token_counts.release(req.rid)
         req.row, req.slots, req.node, req.cached_len, req.dup_slots = 0, [], None, 0, []

@@ -51,7 +51,8 @@ class BatchReq:
 @dataclass
 class KVSend:
     """Prefill-decode disaggregation: one request's prompt KV to write into a decode group's pool.
-    `dest`: the decode side's "slots", its ranks' pool descriptors ("ranks") and "mla"."""
+    `dest`, as the decode leader sent it: its "slots" and "window_slots", its ranks' pool
+    descriptors ("ranks"), and what both sides must agree on ("kv_heads", "nextn", "window")."""
 
     slots: list[int]  # the prompt's KV slots in this group's pool
     dest: dict
@@ -63,7 +64,7 @@ class GroupBatch:
     mode: str = "idle"  # "extend" (some request prefills), "verify" (decode with drafts), "decode", "idle"
     reqs: list[BatchReq] = field(default_factory=list)
     shutdown: bool = False
-    sends: list[KVSend] = field(default_factory=list)  # written by every rank of the group after the step
+    sends: list[KVSend] = field(default_factory=list)  # written by every rank of the group before the forward
 
     @property
     def num_tokens(self) -> int:

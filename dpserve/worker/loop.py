@@ -47,9 +47,8 @@ from dpserve.worker.sampler import sample
 # group's leader whenever a request arrives (`WorkerPool.send(..., wake_all=True)`), so the wait
 # only bounds how often an idle instance checks in, never a request's latency.
 IDLE_WAIT_MS = 500
-GRAMMAR_POLL_MS = (
-    2  # the idle wait while a queued request's grammar compiles (or a decode request's KV comes)
-)
+# The idle wait while a queued request's grammar compiles, or a decode request's KV is awaited.
+GRAMMAR_POLL_MS = 2
 STEP_LOG_LEN = 100_000
 # The watchdog's signal to a live rank: write every thread's Python stack to stderr (the log).
 STACK_DUMP_SIGNAL = signal.SIGUSR1
@@ -280,6 +279,13 @@ class Worker:
         topo = self.groups.topo
         self.transfer = KVTransfer(local_host())
         local = self.transfer.register(self.runner.pool).to_json()
+        # The pool's buffers, layer by layer: window layers' rows go to window slots (hybrid pool),
+        # the others' to full slots.
+        per_layer = len(self.runner.pool.layers[0])
+        layer_of = [i // per_layer for i in range(len(self.transfer.local.buffers))]
+        windowed = self.runner.window_layers
+        self.full_buffers = [i for i, layer in enumerate(layer_of) if layer not in windowed]
+        self.window_buffers = [i for i, layer in enumerate(layer_of) if layer in windowed]
         self.group_pools = [local]
         if self.groups.attn_tp_cpu is not None:
             self.group_pools = [None] * topo.attn_tp_size
@@ -296,9 +302,7 @@ class Worker:
             if self.scheduler is not None:  # 1. the leader schedules
                 self.report = StepReport(self.dp_rank)
                 wait_ms = 0
-                if (
-                    idle
-                ):  # poll often while a queued grammar compiles or KV is awaited: either may come any time
+                if idle:  # poll often while a grammar compiles or KV is awaited: either may come any time
                     busy = self.scheduler.compiling or (self.link is not None and self.link.busy)
                     wait_ms = GRAMMAR_POLL_MS if busy else IDLE_WAIT_MS
                 shutdown |= self._drain(wait_ms=wait_ms)
@@ -358,7 +362,6 @@ class Worker:
 
     def _ask_prefill(self) -> None:
         """Decode leader: where the requests admitted this step want their KV."""
-        windows = self.scheduler.windows
         for req in self.scheduler.reserved:
             dest = {
                 "slots": req.slots,
@@ -366,7 +369,7 @@ class Worker:
                 "kv_heads": self.kv_heads,
                 "nextn": self.nextn,
                 "window": self.runner.window,  # hybrid pool: the window slots of the prompt's last W - 1
-                "window_slots": windows.slots_of(req.slots[req.window_lo :]) if windows else [],
+                "window_slots": self.scheduler.window_slots(req),
             }
             self.link.request(req.rid, req.bootstrap, dest)
 
@@ -378,11 +381,6 @@ class Worker:
         a, j = topo.attn_tp_size, topo.attn_tp_rank
         if self.runner.device.type == "cuda":
             torch.cuda.synchronize(self.runner.device)  # the prompts' KV is written by earlier steps
-        # Window layers' rows go to window slots (hybrid pool), the others' to full slots.
-        per_layer = len(self.runner.pool.layers[0])
-        layer_of = [i // per_layer for i in range(len(self.transfer.local.buffers))]
-        windowed = [i for i, layer in enumerate(layer_of) if layer in self.runner.window_layers]
-        full = [i for i, layer in enumerate(layer_of) if layer not in self.runner.window_layers]
         errors: list[str | None] = []
         for send in sends:
             ranks = send.dest["ranks"]
@@ -404,9 +402,9 @@ class Worker:
                         f"{on} alone runs --speculative-algorithm NEXTN: run it on both (the prefill "
                         "side sends the MTP layer's KV and first drafts) or on neither"
                     )
-                parts = [(full, send.slots, send.dest["slots"])]
-                if windowed:
-                    parts.append((windowed, send.window, send.dest["window_slots"]))
+                parts = [(self.full_buffers, send.slots, send.dest["slots"])]
+                if self.window_buffers:
+                    parts.append((self.window_buffers, send.window, send.dest["window_slots"]))
                 for k, heads in reslice(a, len(ranks), self.kv_heads)[j]:
                     self.transfer.write(PoolDescriptor.from_json(ranks[k]), parts, heads)
                 errors.append(None)
