@@ -85,8 +85,7 @@ class PrefillBootstrap:
         """A prefill request of `room` was submitted."""
         with self._lock:
             r = self._rooms.setdefault(room, _Room())
-            r.rid, r.deadline = rid, time.monotonic() + self.timeout
-            self._forward(room, r)
+            r.rid, r.deadline = rid, time.monotonic() + self.timeout  # paired by the thread's next tick
 
     def done(self, room: int, reply: dict) -> None:
         """The request of `room` ended: `reply` is its first token, or its error."""
@@ -124,7 +123,7 @@ class PrefillBootstrap:
                 with self._lock:
                     self._on_peer(peer, room, msg)
             with self._lock:
-                self._expire(time.monotonic())
+                self._tick(time.monotonic())
                 while self._replies:
                     peer, reply = self._replies.popleft()
                     self._router.send_multipart([peer, zmq.utils.jsonapi.dumps(reply)])
@@ -153,16 +152,14 @@ class PrefillBootstrap:
         if r.reply is not None:
             self._replies.append((peer, {"room": room, **r.reply}))
             del self._rooms[room]
-            return
-        self._forward(room, r)
 
-    def _forward(self, room: int, r: _Room) -> None:
-        if r.rid is not None and r.dest is not None and not r.forwarded:
-            r.forwarded = True
-            self._events.send_pyobj({"type": "kv_dest", "rid": r.rid, "room": room, "dest": r.dest})
-
-    def _expire(self, now: float) -> None:
+    def _tick(self, now: float) -> None:
+        """Hands each room with both halves to the front end, and ends those past their deadline.
+        Only this thread uses the sockets."""
         for room, r in list(self._rooms.items()):
+            if r.rid is not None and r.dest is not None and not r.forwarded:
+                r.forwarded = True
+                self._events.send_pyobj({"type": "kv_dest", "rid": r.rid, "room": room, "dest": r.dest})
             if now < r.deadline or r.forwarded:
                 continue
             if r.rid is not None:  # the decode side never asked: the request is aborted, done() follows
