@@ -135,3 +135,36 @@ def test_heads_are_resliced_into_a_narrower_row():
             assert torch.equal(theirs, expected), f"buffer {i}"
         with pytest.raises(ValueError, match="the peer's pool differs"):
             transfer.write(target, [([0], src, dst)])  # whole rows of 2 heads into rows of 1
+
+
+def test_the_bootstrap_endpoint_survives_malformed_messages(tmp_path):
+    """A peer's bytes are never trusted: messages that are not JSON, lack a room or a destination
+    are dropped, and the endpoint still pairs the next room with its request."""
+    import zmq
+
+    from dpserve.disagg.bootstrap import PrefillBootstrap
+    from dpserve.engine.worker_pool import free_port
+
+    ctx = zmq.Context()
+    collector = ctx.socket(zmq.PULL)
+    collector.bind(f"ipc://{tmp_path}/collector")
+    port = free_port()
+    endpoint = PrefillBootstrap(port, 5, f"ipc://{tmp_path}/collector")
+    peer = ctx.socket(zmq.DEALER)
+    peer.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        for bad in (b"not json", b'{"room": "x"}', b'{"room": 1}', b'{"room": 1, "dest": 5}'):
+            peer.send(bad)
+        endpoint.add(2, "rid-2")
+        peer.send_json({"room": 2, "dest": {"slots": [1]}})
+        assert collector.poll(10_000)
+        assert collector.recv_pyobj() == {
+            "type": "kv_dest",
+            "rid": "rid-2",
+            "room": 2,
+            "dest": {"slots": [1]},
+        }
+        assert endpoint.alive
+    finally:
+        endpoint.close()
+        ctx.destroy(linger=0)

@@ -117,6 +117,8 @@ class PrefillBootstrap:
                 try:
                     msg = zmq.utils.jsonapi.loads(payload)
                     room = int(msg["room"])
+                    if not msg.get("cancel") and not isinstance(msg["dest"], dict):
+                        raise TypeError("no destination")
                 except (ValueError, KeyError, TypeError):
                     logger.warning("bootstrap: a malformed message was dropped")
                     continue
