@@ -128,6 +128,23 @@ class EngineConfig:
         "summed) to place replicas and experts by, or a placement python -m dpserve.eplb wrote; "
         "unset: expert e on rank e / (experts per rank), and replicas for the lowest experts",
     )
+    enable_eplb: bool = option(
+        False,
+        "rebalance the experts while serving (needs --ep-size tp): every --eplb-rebalance-num-iterations "
+        "steps all ranks place the slots anew from the rows routed in that window and move only the "
+        "experts whose slot changes; outputs are unchanged (replicas hold the same weights). The experts "
+        "stay unpacked on CPU (oneDNN's layout cannot be moved)",
+    )
+    eplb_rebalance_num_iterations: int = option(
+        1000, "forward steps between rebalances with --enable-eplb (SGLang's name)", positive=True
+    )
+    eplb_rebalance_layers_per_chunk: int | None = option(
+        None,
+        "MoE layers whose experts move at one step boundary (SGLang's name): a rebalance spreads over "
+        "ceil(layers / this) steps, so no step waits for all of it; the extra memory is at most one "
+        "layer's experts of a rank at a time either way (default: every layer at once)",
+        positive=True,
+    )
     enable_dp_lm_head: bool = option(
         False,
         "the LM head vocabulary-parallel inside each attention TP group: no gather of the rows to sample "
@@ -372,6 +389,11 @@ class EngineConfig:
                 f"ep_num_redundant_experts={self.ep_num_redundant_experts} and init_expert_location place whole "
                 f"experts on expert-parallel ranks: they need ep_size=tp_size > 1 (got ep_size={self.ep_size}, "
                 f"tp_size={tp})"
+            )
+        if self.enable_eplb and not self.ep_size == tp > 1:
+            raise ValueError(
+                f"enable_eplb moves whole experts between expert-parallel ranks: it needs ep_size=tp_size > 1 "
+                f"(got ep_size={self.ep_size}, tp_size={tp})"
             )
         if self.ep_num_redundant_experts < 0:
             raise ValueError(f"ep_num_redundant_experts must be >= 0, got {self.ep_num_redundant_experts}")

@@ -4,6 +4,7 @@ hand, and its command line on a load file as bench.one_batch writes it."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from conftest import GREEDY, NEW_TOKENS, assert_matches_reference
 
 from dpserve.eplb import __main__ as eplb_main
 from dpserve.eplb.placement import identity, imbalance, pack, place, replicate
+from dpserve.eplb.rebalance import align, moves
 
 
 def test_replicas_go_to_the_highest_load_per_replica():
@@ -79,6 +81,20 @@ def test_skewed_load_balances_within_the_goal():
     assert (before > 1.5).all() and (after <= 1.15).all()
 
 
+def test_a_rebalance_moves_only_experts_that_arrive_at_a_rank():
+    """Two ranks of three slots. Rank 0 keeps 0 and 2 where they are and takes a replica of 5 from
+    rank 1; rank 1 keeps 5 and 3 in their slots and takes 1 (rank 0's) for its 4."""
+    old = [0, 1, 2, 3, 4, 5]
+    new = align(old, [0, 2, 5, 1, 3, 5], ranks=2)
+    assert new == [0, 5, 2, 3, 1, 5]
+    assert moves(old, new, ranks=2) == [(5, 1), (1, 4)]
+    # An expert the destination's rank already holds is copied there, not sent: 3 from slot 3.
+    assert moves([0, 1, 2, 3], [0, 1, 3, 3], ranks=2) == [(3, 2)]
+    # Replicas of an expert that arrives at several ranks are sent from its holders in turn.
+    assert moves([7, 7, 1, 2, 3, 4], [7, 7, 7, 1, 7, 4], ranks=3) == [(0, 2), (2, 3), (1, 4)]
+    assert align([0, 1, 2, 3], [1, 0, 3, 2], ranks=2) == [0, 1, 2, 3]  # same experts per rank: no move
+
+
 def test_the_command_line_reads_one_batchs_load_file(tmp_path, capsys):
     path = tmp_path / "load.jsonl"
     lines = [
@@ -140,16 +156,21 @@ def skewed(tmp_path_factory, prompts):
 
 
 @pytest.mark.parametrize(
-    "tp,dp,a2a,redundant,from_load",
-    [(2, 2, "none", 2, False), (4, 4, "all_to_all", 4, True)],
-    ids=["2-2-2-none-even", "4-4-4-a2a-from-load"],
+    "tp,dp,a2a,redundant,from_load,live",
+    [
+        (2, 2, "none", 2, False, True),
+        (4, 2, "all_to_all", 4, False, True),
+        (4, 4, "all_to_all", 4, True, False),
+    ],
+    ids=["2-2-2-none-even-live", "4-2-4-a2a-even-live", "4-4-4-a2a-from-load"],
 )
 def test_redundant_experts_leave_outputs_unchanged(
-    engine_cache, skewed, prompts, tp, dp, a2a, redundant, from_load
+    engine_cache, skewed, prompts, tp, dp, a2a, redundant, from_load, live
 ):
     """Replicas hold the same weights: greedy tokens equal transformers' with redundant slots, placed
-    from an even load or from one recorded on the engine itself; the recorded load comes back per
-    logical expert (replicas' rows summed), and the busiest rank carries less than without."""
+    from an even load or from one recorded on the engine itself, or rebalanced while generating
+    (every 2 steps, one layer per step boundary); the recorded load comes back per logical expert
+    (replicas' rows summed), and the busiest rank carries less than without."""
     location = None
     if from_load:
         plain = engine_cache.get(
@@ -171,15 +192,28 @@ def test_redundant_experts_leave_outputs_unchanged(
         moe_a2a_backend=a2a,
         ep_num_redundant_experts=redundant,
         init_expert_location=location,
+        enable_eplb=live,
+        eplb_rebalance_num_iterations=2,
+        eplb_rebalance_layers_per_chunk=1,
     )
     engine.get_expert_load(), engine.get_step_log()
     outputs = engine.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True)
     assert_matches_reference(outputs, skewed["refs"])
     routed = engine.get_expert_load()
     assert len(routed[0]) == 8 and sum(map(sum, routed)) > 0  # logical experts, replicas folded in
+    logs = engine.get_step_log()
+    done = [[s.rebalance for s in g if s.rebalance is not None] for g in logs]
+    if live:  # every group leader logs the same rebalances, after the same steps
+        same = [[replace(r, seconds=0.0) for r in g] for g in done]
+        assert same == [same[0]] * dp
+        assert len(done[0]) >= NEW_TOKENS // 4 and sum(r.bytes_moved for r in done[0]) > 0
+        assert all(r.imbalance_after <= r.imbalance_before for r in done[0])  # else nothing moves
+        assert any(r.imbalance_after < r.imbalance_before for r in done[0])
+    else:
+        assert done == [[]] * dp
     if from_load:
         assert routed == load  # the same rows went to the same experts
-        after = [s.expert_imbalance for g in engine.get_step_log() for s in g if s.kind == "extend"]
+        after = [s.expert_imbalance for g in logs for s in g if s.kind == "extend"]
         assert max(after) < max(before)
 
 
@@ -193,6 +227,10 @@ def test_placements_that_cannot_serve_are_named_at_start(skewed, tmp_path):
 
     with pytest.raises(ValueError, match="they need ep_size=tp_size > 1 .got ep_size=1"):
         check(ep_num_redundant_experts=4)
+    with pytest.raises(
+        ValueError, match=r"enable_eplb .* needs ep_size=tp_size > 1 \(got ep_size=1, tp_size=4\)"
+    ):
+        check(enable_eplb=True)
     with pytest.raises(
         ValueError,
         match=r"n_routed_experts=8 \+ ep_num_redundant_experts=2 is not divisible by "

@@ -96,6 +96,7 @@ class MoE(nn.Module):
         a2a: bool = False,
         world_group: ProcessGroup | None = None,
         placement: torch.Tensor | None = None,
+        movable: bool = False,
     ):
         super().__init__()
         h, e = hidden, spec.num_experts
@@ -114,15 +115,14 @@ class MoE(nn.Module):
         self.num_slots = len(experts_of)
         self.slot_experts = experts_of[self.first_expert : self.first_expert + n]
         self.phy_to_log = self.replicas = self.replica_slots = None
+        # Live rebalancing (--enable-eplb) rewrites the tables in place (captured graphs read them):
+        # wide enough for any placement, an expert holding every spare slot.
+        self.movable = movable
         if placement is not None:  # made where the gate is (the model is built on its device)
+            replicas, padded = replica_tables(experts_of, e, self.num_slots - e + 1 if movable else 1)
             device = self.gate.device
-            slots: list[list[int]] = [[] for _ in range(e)]
-            for s, x in enumerate(experts_of):
-                slots[x].append(s)
-            width = max(map(len, slots))
-            padded = [s + [s[0]] * (width - len(s)) for s in slots]
             self.phy_to_log = torch.tensor(experts_of, device=device)
-            self.replicas = torch.tensor([len(s) for s in slots], device=device)
+            self.replicas = torch.tensor(replicas, device=device)
             self.replica_slots = torch.tensor(padded, device=device)  # [experts, most replicas]
         self.router_bias = (
             nn.Parameter(torch.zeros(e, dtype=torch.float32), requires_grad=False)
@@ -218,22 +218,48 @@ class MoE(nn.Module):
         """Reorders every local expert's weights once for oneDNN and frees the stacked tensors, as
         `Linear.pack_for_cpu` does (F.linear would reorder them at every call); the same bits. False
         where not packed: another device or dtype, or no native bfloat16."""
-        if self.w13 is None or not onednn_packs(self.w13.dtype, self.w13.device.type):
+        if self.w13 is None or self.movable or not onednn_packs(self.w13.dtype, self.w13.device.type):
             return False
         self.packed = ([pack(w) for w in self.w13], [pack(w) for w in self.w2])
         self.w13 = self.w2 = None  # their storage goes: the packed copies replace them
         return True
 
-    def expert_rows(self, slot_rows: torch.Tensor) -> torch.Tensor:
-        """Rows per logical expert from rows per slot (a replica's rows added to its expert's)."""
-        if self.phy_to_log is None:
-            return slot_rows
-        out = torch.zeros(self.gate.shape[0], dtype=slot_rows.dtype, device=slot_rows.device)
-        return out.index_add_(0, self.phy_to_log.to(slot_rows.device), slot_rows)
+    @property
+    def expert_tensors(self) -> list[torch.Tensor]:
+        """What a slot holds of its expert, each [local slots, ...]: what rebalancing moves."""
+        return [t for t in (self.w13, self.w2, self.b13, self.b2) if t is not None]
+
+    def set_placement(self, experts_of: list[int]) -> None:
+        """Each slot's expert from now on (its weights already moved there), the tables in place."""
+        replicas, padded = replica_tables(experts_of, self.gate.shape[0], self.replica_slots.shape[1])
+        self.phy_to_log.copy_(torch.tensor(experts_of))
+        self.replicas.copy_(torch.tensor(replicas))
+        self.replica_slots.copy_(torch.tensor(padded))
+        self.slot_experts = experts_of[self.first_expert : self.first_expert + self.num_experts]
 
     def _unweighted(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Each row through its one local expert (-1: none, zero output), as a dispatch delivers them."""
         return self._routed(x, torch.ones_like(ids, dtype=torch.float32)[:, None], ids[:, None])
+
+
+def expert_rows(moes: list[MoE], slot_rows: torch.Tensor) -> torch.Tensor:
+    """Rows per logical expert ([layers, experts]) from rows per slot ([layers, slots]) under the
+    layers' placements now (a replica's rows added to its expert's)."""
+    if moes[0].phy_to_log is None:
+        return slot_rows
+    table = torch.stack([m.phy_to_log for m in moes]).to(slot_rows.device)
+    out = slot_rows.new_zeros(len(moes), moes[0].gate.shape[0])
+    return out.scatter_add_(1, table, slot_rows)
+
+
+def replica_tables(experts_of: list[int], experts: int, width: int) -> tuple[list[int], list[list[int]]]:
+    """Each expert's replica count and its slots in slot order, padded to at least `width` with its
+    first slot (a table lookup per row and choice picks one)."""
+    slots: list[list[int]] = [[] for _ in range(experts)]
+    for s, x in enumerate(experts_of):
+        slots[x].append(s)
+    width = max(width, *map(len, slots))
+    return [len(s) for s in slots], [s + [s[0]] * (width - len(s)) for s in slots]
 
 
 def experts_loop(

@@ -73,11 +73,14 @@ def build_mlp(cfg: ModelConfig, groups: Groups, options: EngineConfig, index: in
     per_rank = slots // options.ep_size
     experts = (groups.topo.rank * per_rank, per_rank)
     placement = None
-    if options.ep_num_redundant_experts or options.init_expert_location:  # physical slots apart from experts
+    movable = options.enable_eplb
+    if (
+        options.ep_num_redundant_experts or options.init_expert_location or movable
+    ):  # slots apart from experts
         table = cfg.expert_placement(options)
         ordinal = sum(spec.is_moe_layer(i) for i in range(index))  # an MTP layer's: the last layer's row
         placement = table.phy_to_log[min(ordinal, len(table.phy_to_log) - 1)]
-    return MoE(spec, h, spec.intermediate_size, shared_local, experts, a2a, groups.world, placement)
+    return MoE(spec, h, spec.intermediate_size, shared_local, experts, a2a, groups.world, placement, movable)
 
 
 def mlp_weights(mlp: MLP, prefix: str, topo: Topology) -> list[Weight]:

@@ -122,7 +122,7 @@ class ModelConfig:
                 f"{moe.experts_field}={moe.num_experts}{redundant} is not divisible by ep_size={cfg.ep_size} "
                 f"{layout}; redundant experts that spread evenly: {fits[0]} + a multiple of {cfg.ep_size}"
             )
-        if cfg.ep_size > 1 and (cfg.ep_num_redundant_experts or cfg.init_expert_location):
+        if cfg.ep_size > 1 and (cfg.ep_num_redundant_experts or cfg.init_expert_location or cfg.enable_eplb):
             self.expert_placement(cfg)  # the location file read and checked before any rank starts
         # What is split over the tp ranks: dense MLPs (unless replicated), each routed expert (TP
         # MoE), the shared experts (unless replicated beside all_to_all dispatch).
@@ -145,7 +145,6 @@ class ModelConfig:
         """The slots' experts an engine starts with in every MoE layer (EPLB: `--ep-num-redundant-
         experts`, `--init-expert-location`); an MTP layer's MoE takes the last layer's row."""
         spec = self.moe
-        groups = spec.num_groups if spec.topk_method in ("group_limited_greedy", "noaux_tc") else 1
         return start_placement(
             cfg.init_expert_location,
             self.num_layers - len(self.dense_layers),
@@ -153,8 +152,14 @@ class ModelConfig:
             spec.num_experts + cfg.ep_num_redundant_experts,
             cfg.ep_size,
             cfg.nnodes,
-            groups,
+            self.expert_groups,
         )
+
+    @property
+    def expert_groups(self) -> int:
+        """The routed experts' groups that group-limited routing keeps a row within (1: none)."""
+        spec = self.moe
+        return spec.num_groups if spec.topk_method in ("group_limited_greedy", "noaux_tc") else 1
 
     @property
     def dense_layers(self) -> list[int]:

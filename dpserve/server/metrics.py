@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -192,6 +192,46 @@ class ServerMetrics:
             registry=self.registry,
             buckets=(1.0, 1.1, 1.25, 1.5, 2, 3, 4, 8, float("inf")),
         )
+
+        # --enable-eplb: each rebalance, as every group leader reports it.
+        self.eplb_rebalances = Counter(
+            "dpserve_eplb_rebalances", "Expert rebalances done", ["dp_rank"], registry=self.registry
+        )
+        self.eplb_bytes_moved = Counter(
+            "dpserve_eplb_bytes_moved",
+            "Expert weight bytes rebalancing sent between ranks, all ranks",
+            ["dp_rank"],
+            registry=self.registry,
+        )
+        self.eplb_seconds = Counter(
+            "dpserve_eplb_rebalance_seconds",
+            "Seconds the group leader spent moving experts between steps",
+            ["dp_rank"],
+            registry=self.registry,
+        )
+        self.eplb_imbalance = Gauge(
+            "dpserve_eplb_imbalance",
+            "The last rebalance window's rows per rank over the mean rank's (mean over MoE layers) on "
+            "the placement before and after it",
+            ["dp_rank", "placement"],
+            registry=self.registry,
+        )
+        self.eplb_last = Gauge(
+            "dpserve_eplb_last_rebalance_timestamp_seconds",
+            "When the last rebalance ended (Unix time)",
+            ["dp_rank"],
+            registry=self.registry,
+        )
+
+    def observe_rebalance(self, dp_rank: int, rebalance) -> None:
+        """Records one rebalance (an eplb.rebalance.Rebalance) a group leader reported."""
+        g = str(dp_rank)
+        self.eplb_rebalances.labels(g).inc()
+        self.eplb_bytes_moved.labels(g).inc(rebalance.bytes_moved)
+        self.eplb_seconds.labels(g).inc(rebalance.seconds)
+        self.eplb_imbalance.labels(g, "before").set(rebalance.imbalance_before)
+        self.eplb_imbalance.labels(g, "after").set(rebalance.imbalance_after)
+        self.eplb_last.labels(g).set_to_current_time()
 
     def watch_admission(self, figures: Callable[[], dict]) -> None:
         """Exposes the HTTP admission's figures (requests in flight, refusals by reason)."""

@@ -264,6 +264,8 @@ class TokenizerManager:
     def _dispatch(self, msg: dict) -> None:
         for value in msg.get("expert_imbalance", ()):
             self.metrics_registry.expert_imbalance.labels(str(msg["dp_rank"])).observe(value)
+        for rebalance in msg.get("rebalances", ()):
+            self.metrics_registry.observe_rebalance(msg["dp_rank"], rebalance)
         for state in self.front.apply(msg):
             stream = self._streams.get(state.rid)
             if stream is None:

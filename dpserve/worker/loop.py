@@ -32,7 +32,9 @@ from dpserve.config import EngineConfig
 from dpserve.disagg.bootstrap import DecodeLink, local_host
 from dpserve.disagg.transfer import KVTransfer, PoolDescriptor, reslice
 from dpserve.distributed import Groups, init_groups
+from dpserve.eplb.rebalance import Rebalance, Rebalancer
 from dpserve.grammar import GrammarCache
+from dpserve.layers.mlp import expert_rows
 from dpserve.models.config import ModelConfig
 from dpserve.scheduler.request import GenerateRequest
 from dpserve.scheduler.scheduler import Scheduler
@@ -85,6 +87,7 @@ class StepRecord:
     expert_imbalance: float = 1.0  # MoE rows of the busiest rank over the mean rank's (1: balanced)
     comm_bytes: int = 0  # bytes the leader sent in the step's forward (collectives; NEXTN's drafts not)
     logit_rows: tuple[int, ...] = ()  # rows sampled by every DP group (what the LM head moves)
+    rebalance: Rebalance | None = None  # --enable-eplb: the rebalance that ended after this step
 
 
 @dataclass(frozen=True)
@@ -263,9 +266,18 @@ class Worker:
         self.step_counts = {"steps_eager": 0, "steps_padded": 0}
         self.step_log: deque[StepRecord] = deque(maxlen=STEP_LOG_LEN)
         moes = runner.model.moe_layers
-        # Rows per expert of every MoE layer since the front end last asked ([layers, experts]).
-        slots = moes[0].num_slots if moes else 0  # one per expert, or EPLB's physical slots
-        self.expert_load = torch.zeros(len(moes), slots, dtype=torch.long, device=device)  # read when asked
+        # Rows per logical expert of every MoE layer since the front end last asked ([layers, experts]).
+        experts = moes[0].gate.shape[0] if moes else 0
+        self.expert_load = torch.zeros(len(moes), experts, dtype=torch.long, device=device)  # read when asked
+        self.eplb = None
+        if cfg.enable_eplb and moes:
+            self.eplb = Rebalancer(
+                moes,
+                cfg.eplb_rebalance_num_iterations,
+                cfg.eplb_rebalance_layers_per_chunk,
+                cfg.nnodes,
+                model_cfg.expert_groups,
+            )
         self._pending: tuple[StepRecord, torch.Tensor, torch.cuda.Event | None] | None = None
         self.report = StepReport(self.dp_rank)
         figures = {k: getattr(runner, k) for k in RANK_FIGURES}
@@ -432,8 +444,27 @@ class Worker:
             if s is not None:
                 s.set_drafts(drafts)
         load = self.runner.take_expert_load()  # on the device; every rank: a collective under all_to_all
+        rebalance = None
+        if load is not None:
+            rows = expert_rows(self.runner.model.moe_layers, load)  # before a rebalance changes the slots
+            self.expert_load += rows
+            if self.eplb is not None:  # every rank, at the same step boundary
+                rebalance = self.eplb.step(rows)
         if s is None:
             return
+        if rebalance is not None:
+            logger.info(
+                "expert rebalance after step %d: %d slots, %.1f MiB between ranks in %.2f s; imbalance "
+                "%.3f -> %.3f",
+                rebalance.step,
+                rebalance.slots_moved,
+                rebalance.bytes_moved / 2**20,
+                rebalance.seconds,
+                rebalance.imbalance_before,
+                rebalance.imbalance_after,
+            )
+            self.report.rebalances.append(rebalance)
+            self.report.changed = True
         self.step_counts["steps_padded" if layout.padded else "steps_eager"] += 1
         record = StepRecord(
             kind=kind,
@@ -450,12 +481,12 @@ class Worker:
             draft_seconds=self.drafter.seconds if self.drafter else 0.0,
             comm_bytes=self.runner.comm_bytes,
             logit_rows=layout.logit_rows,
+            rebalance=rebalance,
         )
         self._log_pending()
         if load is None:
             self.step_log.append(record)
             return
-        self.expert_load += load
         ep = load.shape[1] // self.runner.model.moe_layers[0].num_experts  # ranks owning experts
         per_rank = load.view(load.shape[0], ep, -1).sum((0, 2)).float()
         imbalance = torch.where(per_rank.sum() > 0, per_rank.max() / per_rank.mean(), 1.0)
@@ -499,10 +530,8 @@ class Worker:
             elif msg["type"] == "wake":  # another group has work: join its steps
                 pass
             elif msg["type"] == "get_expert_load":  # rows per logical expert (replicas' summed)
-                moes = self.runner.model.moe_layers
-                rows = zip(moes, self.expert_load, strict=True)
-                load = torch.stack([moe.expert_rows(r) for moe, r in rows])
-                self.out.send_pyobj({"type": "expert_load", "dp_rank": self.dp_rank, "load": load.cpu()})
+                load = self.expert_load.cpu()
+                self.out.send_pyobj({"type": "expert_load", "dp_rank": self.dp_rank, "load": load})
                 self.expert_load.zero_()
             elif msg["type"] == "get_step_log":
                 self._log_pending()
@@ -527,6 +556,7 @@ class StepReport:
         self.dp_rank = dp_rank
         self.tokens: list[tuple[str, int, float, list]] = []  # (rid, token, logprob, top alternatives)
         self.expert_imbalance: list[float] = []  # each MoE step's (for /metrics' histogram)
+        self.rebalances: list[Rebalance] = []  # --enable-eplb: those that ended (for /metrics)
         self.cached: list[tuple[str, int]] = []  # (rid, prompt tokens found cached) of new admissions
         self.finished: list[dict] = []
         self.changed = False
@@ -543,6 +573,7 @@ class StepReport:
             "tokens": self.tokens,
             "cached": self.cached,
             "expert_imbalance": self.expert_imbalance,
+            "rebalances": self.rebalances,
             "finished": self.finished,
             "stats": stats,
         }
