@@ -139,6 +139,17 @@ def assert_matches_reference(outputs: list[dict], refs) -> None:
     assert compared >= 0.75 * len(refs) * NEW_TOKENS
 
 
+def http_outputs(answers: list[dict]) -> list[dict]:
+    """A /generate batch's answers with the offline Engine's logprobs (what the reference takes)."""
+    return [
+        {
+            "output_ids": o["output_ids"],
+            "meta_info": {"output_token_logprobs": [e[0] for e in o["meta_info"]["output_token_logprobs"]]},
+        }
+        for o in answers
+    ]
+
+
 def assert_expert_load(engine, steps) -> None:
     """Every MoE layer counted top_k choices of every real row the steps ran (padding excluded), and
     every step logged its imbalance (the busiest rank's rows over the mean, >= 1)."""

@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
+import httpx
 import pytest
 import torch
-from conftest import GREEDY, NEW_TOKENS, assert_matches_reference
+from conftest import GREEDY, NEW_TOKENS, assert_matches_reference, http_outputs
 
 from dpserve.eplb import __main__ as eplb_main
 from dpserve.eplb.placement import identity, imbalance, pack, place, replicate
@@ -215,6 +216,40 @@ def test_redundant_experts_leave_outputs_unchanged(
         assert routed == load  # the same rows went to the same experts
         after = [s.expert_imbalance for g in logs for s in g if s.kind == "extend"]
         assert max(after) < max(before)
+
+
+def test_the_server_rebalances_and_dumps_its_load(skewed, prompts):
+    """`--enable-eplb` behind the HTTP server: the same greedy tokens, each rebalance logged and
+    counted in /metrics; POST /dump_expert_load gives the rows per expert since the last dump, in
+    the form --init-expert-location reads."""
+    from dpserve.eplb.placement import read_load
+    from dpserve.testing.server import ServerProcess
+
+    args = ["--tp", "2", "--dp", "2", "--enable-dp-attention", "--ep-size", "2", "--dtype", "float32"]
+    eplb = ["--enable-eplb", "--eplb-rebalance-num-iterations", "3", "--ep-num-redundant-experts", "2"]
+    with ServerProcess("--model-path", skewed["model"], *args, *eplb, "--log-level", "info") as srv:
+        body = {"input_ids": prompts, "sampling_params": GREEDY, "return_logprob": True}
+        r = httpx.post(f"{srv.url}/generate", json=body, timeout=120)
+        assert_matches_reference(http_outputs(r.json()), skewed["refs"])
+        dump = httpx.post(f"{srv.url}/dump_expert_load", timeout=60)
+        again = httpx.post(f"{srv.url}/dump_expert_load", timeout=60).json()["rows_per_expert"]
+        text = httpx.get(f"{srv.url}/metrics").text
+        logged = srv.output.count("expert rebalance after step")
+    path = skewed["root"] / "dumped.jsonl"
+    path.write_text(dump.text + "\n")
+    load = read_load(str(path))
+    # Every token of every prompt and output (but the last) went through both MoE layers, top-2.
+    tokens = sum(map(len, prompts)) + len(prompts) * (NEW_TOKENS - 1)
+    assert load.shape == (2, 8) and load.sum(1).tolist() == [2 * tokens] * 2
+    assert again == [[0] * 8] * 2  # cleared by the first dump
+    rebalances = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("dpserve_eplb_rebalances_total")
+    ]
+    assert rebalances == [logged / 2] * 2 and logged >= 2  # both leaders, each rebalance once
+    moved = [line for line in text.splitlines() if line.startswith("dpserve_eplb_bytes_moved_total")]
+    assert moved and all(float(line.rsplit(" ", 1)[1]) > 0 for line in moved)
 
 
 def test_placements_that_cannot_serve_are_named_at_start(skewed, tmp_path):

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 import zmq
-from conftest import GREEDY, NEW_TOKENS, assert_matches_reference
+from conftest import GREEDY, NEW_TOKENS, assert_matches_reference, http_outputs
 from openai import OpenAI
 from transformers import AutoTokenizer
 
@@ -68,17 +68,6 @@ def generate(url: str, prompts, **body) -> httpx.Response:
     return http.post(f"{url}/generate", json={"input_ids": prompts, "sampling_params": sampling, **body})
 
 
-def engine_outputs(r: httpx.Response) -> list[dict]:
-    """A /generate batch's answers with the offline Engine's logprobs (what the reference takes)."""
-    return [
-        {
-            "output_ids": o["output_ids"],
-            "meta_info": {"output_token_logprobs": [e[0] for e in o["meta_info"]["output_token_logprobs"]]},
-        }
-        for o in r.json()
-    ]
-
-
 def both_sides(prefill: ServerProcess, decode: ServerProcess, prompts, **body) -> dict[str, httpx.Response]:
     """The same /generate sent to both sides at once, as the PD router sends it; both must answer 200."""
     answers: dict[str, httpx.Response] = {}
@@ -101,7 +90,7 @@ def test_outputs_through_the_pd_router(pd, prompts, references):
     # A batch: each prompt its own room; the decode instance spreads them over its two groups.
     r = generate(router.url, prompts, return_logprob=True)
     assert r.status_code == 200, r.text
-    assert_matches_reference(engine_outputs(r), references["deepseek_v2"])
+    assert_matches_reference(http_outputs(r.json()), references["deepseek_v2"])
     assert {o["meta_info"]["dp_rank"] for o in r.json()} == {0, 1}
     # Chat, streamed and not, and completions: what /generate gives for the same tokens.
     tok = AutoTokenizer.from_pretrained(pd["model"])
@@ -232,7 +221,7 @@ def test_gqa_heads_and_window_slots_between_layouts(model_dirs, prompts):
         rooms = {"bootstrap_host": "127.0.0.1", "bootstrap_port": port, "bootstrap_room": [7, 8, 9]}
         answers = both_sides(prefill, decode, longer, return_logprob=True, **rooms)
         assert metric(decode, "kv_window_pool_tokens") > 0  # the hybrid pool is on
-    assert_matches_reference(engine_outputs(answers[decode.url]), refs)
+    assert_matches_reference(http_outputs(answers[decode.url].json()), refs)
 
 
 def test_nextn_drafts_and_mtp_kv_carry_over(engine_cache):
@@ -252,7 +241,7 @@ def test_nextn_drafts_and_mtp_kv_carry_over(engine_cache):
     with ServerProcess(*common, *prefill_args) as prefill, ServerProcess(*common, *decode_args) as decode:
         rooms = {"bootstrap_host": "127.0.0.1", "bootstrap_port": port, "bootstrap_room": [11, 12, 13, 14]}
         answers = both_sides(prefill, decode, prompts, return_logprob=True, **rooms)
-    assert_matches_reference(engine_outputs(answers[decode.url]), refs)
+    assert_matches_reference(http_outputs(answers[decode.url].json()), refs)
     verify_steps = [o["meta_info"]["spec_verify_ct"] for o in answers[decode.url].json()]
     assert verify_steps == [o["meta_info"]["spec_verify_ct"] for o in colocated]
     assert sum(verify_steps) < len(prompts) * (NEW_TOKENS - 1)  # drafts were accepted

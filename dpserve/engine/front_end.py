@@ -237,11 +237,22 @@ class FrontEnd:
 
     def ask(self, what: str) -> list:
         """Every group leader's reply to `get_{what}` (step_log, expert_load), in DP-rank order;
-        each leader clears what it sent."""
+        each leader clears what it sent. The server, whose receiver thread applies every message,
+        sends the question and takes the replies once `answered`."""
+        self.send_question(what)
+        while not self.answered:
+            self.apply(self.recv())
+        return self.take_replies()
+
+    def send_question(self, what: str) -> None:
         for g in range(self.cfg.dp_size):
             self.workers.send(g, {"type": f"get_{what}"})
-        while len(self.replies) < self.cfg.dp_size:
-            self.apply(self.recv())
+
+    @property
+    def answered(self) -> bool:
+        return len(self.replies) == self.cfg.dp_size
+
+    def take_replies(self) -> list:
         replies, self.replies = self.replies, {}
         return [replies[g] for g in range(self.cfg.dp_size)]
 
@@ -257,9 +268,12 @@ class FrontEnd:
         return self.ask("step_log")
 
     def get_expert_load(self) -> list[list[int]]:
-        """Rows routed to each expert of each MoE layer since the last call, [layers][experts]. Under
-        DP attention every leader counted every group's rows; replicas count their own."""
-        loads = self.ask("expert_load")
+        """Rows routed to each expert of each MoE layer since the last call, [layers][experts]."""
+        return self.total_expert_load(self.ask("expert_load"))
+
+    def total_expert_load(self, loads: list) -> list[list[int]]:
+        """The instance's rows per expert from every leader's reply: under DP attention each leader
+        counted every group's rows; replicas count their own."""
         return (loads[0] if self.cfg.enable_dp_attention else sum(loads)).tolist()
 
     def server_info(self) -> dict:

@@ -166,6 +166,12 @@ def create_app(tm: TokenizerManager, model_name: str, admission: Admission | Non
         tm.front.flush_cache()
         return PlainTextResponse("Cache flushed: every prefix-cache entry no running request holds.")
 
+    @app.post("/dump_expert_load", responses=errors(400, 503))
+    async def dump_expert_load():
+        """Rows routed to each expert of each MoE layer since the last dump (then cleared): saved
+        to a file, what --init-expert-location and python -m dpserve.eplb read."""
+        return {"rows_per_expert": await tm.expert_load()}
+
     @app.get("/metrics", response_class=PlainTextResponse, responses={200: PLAIN_TEXT})
     async def metrics():
         return Response(tm.metrics_registry.render(), media_type=CONTENT_TYPE)

@@ -101,6 +101,8 @@ class TokenizerManager:
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._tasks: set[asyncio.Task] = set()  # kept referenced until the loop ends
+        self._asking = asyncio.Lock()  # one question to the group leaders at a time
+        self._answered: asyncio.Event | None = None
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -247,6 +249,20 @@ class TokenizerManager:
                 self.front.abort(stream.state.rid)
         stream.event.set()
 
+    async def expert_load(self) -> list[list[int]]:
+        """Rows routed to each expert of each MoE layer since the last dump (then cleared), as every
+        group leader counted them (POST /dump_expert_load)."""
+        if self.model_cfg.moe is None:
+            raise RequestError(f"{self.model_cfg.arch} has no routed experts: there is no expert load")
+        async with self._asking:
+            self._answered = asyncio.Event()
+            self.front.send_question("expert_load")
+            await self._answered.wait()
+            self._answered = None
+            if self.failure is not None:
+                raise RequestError(f"the server failed: {self.failure}", 503)
+            return self.front.total_expert_load(self.front.take_replies())
+
     # --- worker messages -------------------------------------------------------------------------
 
     def _receive_loop(self) -> None:
@@ -274,9 +290,13 @@ class TokenizerManager:
                 stream.first_token_seen = True
                 self.metrics_registry.time_to_first_token.observe(state.first_token - state.arrival)
             stream.event.set()
+        if self._answered is not None and self.front.answered:
+            self._answered.set()
 
     def _fail(self, cause: str) -> None:
         logger.error("a worker failed; the server stops: %s", cause)
         self.failure = cause.splitlines()[0]
+        if self._answered is not None:
+            self._answered.set()
         self.abort_all(f"the server failed: {self.failure}")
         self.on_failure()
