@@ -7,6 +7,7 @@ every step (counted by the engine's collectives) equal the planner's."""
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import fields
 
@@ -17,8 +18,10 @@ import torch.multiprocessing as mp
 from conftest import GREEDY, SMALL_POOL, assert_expert_load, assert_matches_reference, engine_for
 
 from dpserve import Engine
+from dpserve.config import EngineConfig
 from dpserve.engine.worker_pool import free_port
 from dpserve.layers.ep_dispatch import dispatch_combine
+from dpserve.models.config import ModelConfig
 from dpserve.plan.comm import ID_BYTES, forward_bytes, logged_layout
 from dpserve.plan.layouts import Layout, layout_memory, meta_model, moe_placement
 from dpserve.testing.reference import hf_greedy_reference
@@ -162,24 +165,39 @@ def test_ep_without_dp_attention(engine_cache, model_dirs, prompts, references):
     assert_comm_bytes_planned(engine, engine.get_step_log())
 
 
-def test_ep_with_nextn(engine_cache):
-    """NEXTN's MTP layer is a MoE layer too: expert-parallel with all_to_all dispatch in its forwards."""
+def test_ep_with_nextn_and_live_rebalancing(engine_cache, tmp_path):
+    """NEXTN's MTP layer is a MoE layer too: expert-parallel with all_to_all dispatch in its forwards,
+    with redundant slots rebalanced while generating (every 2 steps, the MTP layer's experts by its
+    own load); the load it records (an MTP row after the layers') is a start placement for NEXTN."""
     path = str(trained_mtp_model())
     prompts = [synthetic_sequences(1, n, seed=100 + i)[0] for i, n in enumerate((5, 41, 17))]
-    engine = engine_cache.get(
-        path,
+    options = dict(
         tp_size=2,
         dp_size=2,
         enable_dp_attention=True,
         ep_size=2,
         moe_a2a_backend="all_to_all",
         speculative_algorithm="NEXTN",
-        max_total_tokens=2048,
+        ep_num_redundant_experts=2,
     )
+    engine = engine_cache.get(
+        path, **options, max_total_tokens=2048, enable_eplb=True, eplb_rebalance_num_iterations=2
+    )
+    engine.get_step_log(), engine.get_expert_load()
     outputs = engine.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True)
     assert_matches_reference(outputs, hf_greedy_reference(path, prompts, len(outputs[0]["output_ids"])))
     meta = [o["meta_info"] for o in outputs]
     assert sum(m["completion_tokens"] for m in meta) > 1.5 * sum(m["spec_verify_ct"] for m in meta)
+    rebalances = [s.rebalance for s in engine.get_step_log()[0] if s.rebalance is not None]
+    assert len(rebalances) >= 2 and sum(r.bytes_moved for r in rebalances) > 0
+    load = engine.get_expert_load()
+    model_cfg = ModelConfig.load(path)
+    assert len(load) == model_cfg.num_layers - len(model_cfg.dense_layers) + 1  # the MTP layer's last
+    location = tmp_path / "load.jsonl"
+    location.write_text(json.dumps({"rows_per_expert": load}) + "\n")
+    cfg = EngineConfig(path, **options, init_expert_location=str(location))
+    placement = model_cfg.expert_placement(cfg)
+    assert placement.phy_to_log.shape[0] == len(load)
 
 
 def _dispatch_rank(rank: int, world: int, port: int, results) -> None:

@@ -160,18 +160,22 @@ def read_load(path: str) -> torch.Tensor:
 
 @functools.cache
 def start_placement(
-    path: str | None, layers: int, experts: int, slots: int, ranks: int, nodes: int, groups: int
+    path: str | None, layers: int, experts: int, slots: int, ranks: int, nodes: int, groups: int, mtp: int = 0
 ) -> Placement:
     """The placement an engine starts with (once per process): from `path` (--init-expert-location:
-    a recorded load, or a placement python -m dpserve.eplb wrote), else from an even load. Raises
+    a recorded load, or a placement python -m dpserve.eplb wrote), else from an even load. A file
+    may carry `mtp` more rows (an MTP layer's, recorded by an engine running NEXTN). Raises
     ValueError naming what does not fit this engine."""
     with torch.device("cpu"):  # host tables, whatever device the model is being built on
-        return _start_placement(path, layers, experts, slots, ranks, nodes, groups)
+        return _start_placement(path, layers, experts, slots, ranks, nodes, groups, mtp)
 
 
 def _start_placement(
-    path: str | None, layers: int, experts: int, slots: int, ranks: int, nodes: int, groups: int
+    path: str | None, layers: int, experts: int, slots: int, ranks: int, nodes: int, groups: int, mtp: int
 ) -> Placement:
+    rows = {layers, layers + mtp}
+    extra = f" (+ {mtp} for its MTP layer)" if mtp else ""
+    model = f"{layers} MoE layers{extra}"
     if path is None:
         return place(torch.ones(layers, experts), slots, ranks, nodes, groups)
     try:
@@ -185,20 +189,21 @@ def _start_placement(
         phy = torch.tensor(saved["phy_to_log"], dtype=torch.long)
         want = {"num_experts": experts, "num_slots": slots, "ep_size": ranks}
         got = {k: saved.get(k) for k in want}
-        if got != want or phy.shape != (layers, slots) or not ((phy >= 0) & (phy < experts)).all():
+        fits = phy.dim() == 2 and phy.shape[0] in rows and phy.shape[1] == slots
+        if got != want or not fits or not ((phy >= 0) & (phy < experts)).all():
             raise ValueError(
                 f"init_expert_location {path} places {got['num_experts']} experts in {got['num_slots']} slots "
                 f"over {got['ep_size']} ranks for {phy.shape[0]} MoE layers; this engine has {experts} experts, "
-                f"{slots} slots over {ranks} ranks and {layers} MoE layers"
+                f"{slots} slots over {ranks} ranks and {model}"
             )
         placement = Placement(phy, experts)
         if not (placement.replicas > 0).all():
             raise ValueError(f"init_expert_location {path} leaves an expert without a slot")
         return placement
     load = read_load(path)
-    if load.shape != (layers, experts):
+    if load.shape[0] not in rows or load.shape[1] != experts:
         raise ValueError(
             f"init_expert_location {path} records {load.shape[0]} MoE layers x {load.shape[1]} experts; this "
-            f"model has {layers} x {experts}"
+            f"model has {layers} x {experts}{extra}"
         )
     return place(load, slots, ranks, nodes, groups)

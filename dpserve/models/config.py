@@ -143,7 +143,8 @@ class ModelConfig:
 
     def expert_placement(self, cfg: EngineConfig) -> Placement:
         """The slots' experts an engine starts with in every MoE layer (EPLB: `--ep-num-redundant-
-        experts`, `--init-expert-location`); an MTP layer's MoE takes the last layer's row."""
+        experts`, `--init-expert-location`); an MTP layer's MoE takes its own row where the location
+        file has one (recorded with NEXTN), else the last layer's."""
         spec = self.moe
         return start_placement(
             cfg.init_expert_location,
@@ -153,6 +154,7 @@ class ModelConfig:
             cfg.ep_size,
             cfg.nnodes,
             self.expert_groups,
+            self.num_mtp_layers,
         )
 
     @property
