@@ -39,20 +39,6 @@ class Placement:
         """[layers, experts]: each expert's slot count."""
         return torch.stack([torch.bincount(row, minlength=self.num_experts) for row in self.phy_to_log])
 
-    @property
-    def log_to_phy(self) -> torch.Tensor:
-        """[layers, experts, most replicas]: each expert's slots, in slot order, -1 past its count."""
-        layers, slots = self.phy_to_log.shape
-        width = int(self.replicas.max())
-        out = torch.full((layers, self.replicas.shape[1], width), -1, dtype=torch.long)
-        for layer in range(layers):
-            seen = [0] * self.replicas.shape[1]
-            for s in range(slots):
-                e = int(self.phy_to_log[layer, s])
-                out[layer, e, seen[e]] = s
-                seen[e] += 1
-        return out
-
 
 def identity(layers: int, experts: int) -> Placement:
     """The placement without EPLB: expert e in slot e, each rank a contiguous block of experts."""
