@@ -156,6 +156,8 @@ def run_batch(engine: Engine, args: argparse.Namespace, batch: int) -> dict:
         "mean_decode_expert_imbalance": statistics.mean(s.expert_imbalance for s in decode)
         if decode
         else None,
+        # --enable-eplb: the rebalances that ended during the measured batch
+        "rebalances": [asdict(s.rebalance) for s in steps if s.rebalance is not None],
         # bytes a rank sends per step (mean over the groups' leaders): median prefill step, decode step
         "median_prefill_comm_bytes": statistics.median(prefill_sent) if prefill else None,
         "median_decode_comm_bytes": statistics.median(decode_sent) if decode else None,
@@ -190,10 +192,26 @@ def report(r: dict) -> str:
             f"Expert load. busiest rank over the mean rank, prefill steps: "
             f"{fmt(r['mean_prefill_expert_imbalance'], '.3f')}, decode steps: "
             f"{fmt(r['mean_decode_expert_imbalance'], '.3f')} (means)",
+            *rebalance_report(r["rebalances"]),
             f"Total. latency: {r['total_latency']:6.3f} s, "
             f"throughput: {r['overall_throughput']:9.2f} token/s",
         ]
     )
+
+
+def rebalance_report(rebalances: list[dict]) -> list[str]:
+    """A line on the batch's expert rebalances (--enable-eplb), if any ended during it."""
+    if not rebalances:
+        return []
+    n = len(rebalances)
+    moved = sum(r["bytes_moved"] for r in rebalances)
+    before = statistics.mean(r["imbalance_before"] for r in rebalances)
+    after = statistics.mean(r["imbalance_after"] for r in rebalances)
+    return [
+        f"Expert rebalances. {n} in the batch: {moved / n / 2**20:.2f} MiB between ranks and "
+        f"{statistics.mean(r['seconds'] for r in rebalances) * 1e3:.1f} ms each, their windows' imbalance "
+        f"{before:.3f} -> {after:.3f} (means)"
+    ]
 
 
 def step_over_floor(r: dict) -> float | None:
