@@ -156,16 +156,16 @@ def skewed(tmp_path_factory, prompts):
 
 
 @pytest.mark.parametrize(
-    "tp,dp,a2a,redundant,from_load,live",
+    "tp,dp,a2a,redundant,from_load,live,padding",
     [
-        (2, 2, "none", 2, False, True),
-        (4, 2, "all_to_all", 4, False, True),
-        (4, 4, "all_to_all", 4, True, False),
+        (2, 2, "none", 2, False, True, "sum_len"),
+        (4, 2, "all_to_all", 4, False, True, "max_len"),
+        (4, 4, "all_to_all", 4, True, False, "auto"),
     ],
-    ids=["2-2-2-none-even-live", "4-2-4-a2a-even-live", "4-4-4-a2a-from-load"],
+    ids=["2-2-2-none-even-live-sum_len", "4-2-4-a2a-even-live-max_len", "4-4-4-a2a-from-load"],
 )
 def test_redundant_experts_leave_outputs_unchanged(
-    engine_cache, skewed, prompts, tp, dp, a2a, redundant, from_load, live
+    engine_cache, skewed, prompts, tp, dp, a2a, redundant, from_load, live, padding
 ):
     """Replicas hold the same weights: greedy tokens equal transformers' with redundant slots, placed
     from an even load or from one recorded on the engine itself, or rebalanced while generating
@@ -193,6 +193,7 @@ def test_redundant_experts_leave_outputs_unchanged(
         ep_num_redundant_experts=redundant,
         init_expert_location=location,
         enable_eplb=live,
+        dp_padding_mode=padding,
         eplb_rebalance_num_iterations=2,
         eplb_rebalance_layers_per_chunk=1,
     )
@@ -204,6 +205,9 @@ def test_redundant_experts_leave_outputs_unchanged(
     logs = engine.get_step_log()
     done = [[s.rebalance for s in g if s.rebalance is not None] for g in logs]
     if live:  # every group leader logs the same rebalances, after the same steps
+        assert {(s.padding_mode, s.padded) for g in logs for s in g if s.kind == "decode"} == {
+            (padding, True)
+        }
         same = [[replace(r, seconds=0.0) for r in g] for g in done]
         assert same == [same[0]] * dp
         assert len(done[0]) >= NEW_TOKENS // 4 and sum(r.bytes_moved for r in done[0]) > 0
