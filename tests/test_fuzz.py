@@ -48,6 +48,12 @@ def test_fuzzed_api_never_fails_and_matches_its_schema(model_dirs, engine_cache,
         assert run.returncode == 0, summary
         assert "No issues found" in summary and " passed" in summary, summary
         assert httpx.get(f"{srv.url}/health").text == "ok"
+        dump = httpx.post(f"{srv.url}/dump_expert_load")  # a dense model: no expert load to give
+        assert dump.status_code == 400
+        assert (
+            dump.json()["error"]["message"]
+            == "LlamaForCausalLM has no routed experts: there is no expert load"
+        )
         deadline = time.monotonic() + 30
         while kv_used(srv.url) > 0:  # aborted requests' KV is freed by the scheduler's next step
             assert time.monotonic() < deadline, "KV still held after the fuzz run"
