@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import httpx
 import pytest
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -137,6 +138,15 @@ def assert_matches_reference(outputs: list[dict], refs) -> None:
         compared += n
     # Most prompts must be compared over all tokens, or the test would prove little.
     assert compared >= 0.75 * len(refs) * NEW_TOKENS
+
+
+def metrics(server) -> dict[str, float]:
+    """A server's /metrics: every sample, by its name and labels."""
+    text = httpx.get(f"{server.url}/metrics").text
+    return {
+        k: float(v)
+        for k, v in (line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))
+    }
 
 
 def http_outputs(answers: list[dict]) -> list[dict]:

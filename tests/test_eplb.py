@@ -9,7 +9,7 @@ from dataclasses import replace
 import httpx
 import pytest
 import torch
-from conftest import GREEDY, NEW_TOKENS, assert_matches_reference, http_outputs
+from conftest import GREEDY, NEW_TOKENS, assert_matches_reference, http_outputs, metrics
 
 from dpserve.eplb import __main__ as eplb_main
 from dpserve.eplb.placement import identity, imbalance, pack, place, replicate
@@ -236,7 +236,7 @@ def test_the_server_rebalances_and_dumps_its_load(skewed, prompts):
         assert_matches_reference(http_outputs(r.json()), skewed["refs"])
         dump = httpx.post(f"{srv.url}/dump_expert_load", timeout=60)
         again = httpx.post(f"{srv.url}/dump_expert_load", timeout=60).json()["rows_per_expert"]
-        text = httpx.get(f"{srv.url}/metrics").text
+        scraped = metrics(srv)
         logged = srv.output.count("expert rebalance after step")
     path = skewed["root"] / "dumped.jsonl"
     path.write_text(dump.text + "\n")
@@ -245,14 +245,10 @@ def test_the_server_rebalances_and_dumps_its_load(skewed, prompts):
     tokens = sum(map(len, prompts)) + len(prompts) * (NEW_TOKENS - 1)
     assert load.shape == (2, 8) and load.sum(1).tolist() == [2 * tokens] * 2
     assert again == [[0] * 8] * 2  # cleared by the first dump
-    rebalances = [
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("dpserve_eplb_rebalances_total")
-    ]
+    rebalances = [v for k, v in scraped.items() if k.startswith("dpserve_eplb_rebalances_total")]
     assert rebalances == [logged / 2] * 2 and logged >= 2  # both leaders, each rebalance once
-    moved = [line for line in text.splitlines() if line.startswith("dpserve_eplb_bytes_moved_total")]
-    assert moved and all(float(line.rsplit(" ", 1)[1]) > 0 for line in moved)
+    moved = [v for k, v in scraped.items() if k.startswith("dpserve_eplb_bytes_moved_total")]
+    assert moved and all(v > 0 for v in moved)
 
 
 def test_placements_that_cannot_serve_are_named_at_start(skewed, tmp_path):

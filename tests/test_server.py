@@ -11,6 +11,7 @@ from typing import Literal
 
 import httpx
 import pytest
+from conftest import metrics
 from openai import APIError, AsyncOpenAI, OpenAI
 from pydantic import BaseModel, Field
 from transformers import AutoTokenizer
@@ -116,14 +117,6 @@ def server(model, engine_outputs):
 @pytest.fixture(scope="module")
 def client(server) -> OpenAI:
     return OpenAI(base_url=f"{server.url}/v1", api_key="none")
-
-
-def metrics(server) -> dict[str, float]:
-    text = httpx.get(f"{server.url}/metrics").text
-    return {
-        k: float(v)
-        for k, v in (line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))
-    }
 
 
 def kv_used(server) -> float:

@@ -81,10 +81,10 @@ def move_layer(moe: MoE, new: list[int], group: dist.ProcessGroup) -> tuple[int,
     """Moves this rank's share of one layer's experts to the placement `new` (every rank calls it
     with the same `new`); returns (slots changed, bytes sent between ranks) over all ranks."""
     old = moe.phy_to_log.tolist()
-    ranks, per = moe.num_slots // moe.num_experts, moe.num_experts
-    me, lo = moe.first_expert // per, moe.first_expert
+    per, lo = moe.num_experts, moe.first_expert
+    me = lo // per
     tensors = moe.expert_tensors
-    plan = moves(old, new, ranks)
+    plan = moves(old, new, moe.ep_ranks)
     arriving: list[tuple[int, list[torch.Tensor]]] = []
     ops = []
     for src, dst in plan:
@@ -119,7 +119,7 @@ class Rebalancer:
         self.moes, self.every = moes, every
         self.per_chunk = layers_per_chunk or len(moes)
         self.nodes, self.groups = nodes, groups
-        self.ranks = moes[0].num_slots // moes[0].num_experts
+        self.ranks = moes[0].ep_ranks
         self.window = torch.zeros(
             len(moes), moes[0].gate.shape[0], dtype=torch.long, device=moes[0].gate.device
         )

@@ -157,6 +157,11 @@ class MoE(nn.Module):
         self.shared_experts = MLP(h, shared_local, replicated=a2a) if shared_local else None
 
     @property
+    def ep_ranks(self) -> int:
+        """The ranks the layer's slots are spread over (1: every expert split over the tp ranks)."""
+        return self.num_slots // self.num_experts
+
+    @property
     def on_own_rows(self) -> bool:
         return self.a2a
 
@@ -168,7 +173,7 @@ class MoE(nn.Module):
         real rows' choices into `load`."""
         out = self.shared_experts(x) if self.shared_experts is not None else torch.zeros_like(x)
         if self.a2a:
-            world = self.num_slots // self.num_experts
+            world = self.ep_ranks
             padded = layout is not None and layout.padded
             weights, ids = self._route(x, real_rows)
             routed = dispatch_combine(

@@ -444,12 +444,11 @@ class Worker:
             if s is not None:
                 s.set_drafts(drafts)
         load = self.runner.take_expert_load()  # on the device; every rank: a collective under all_to_all
+        # Rows per logical expert, read before a rebalance changes the slots.
+        rows = None if load is None else expert_rows(self.runner.model.moe_layers, load)
         rebalance = None
-        if load is not None:
-            rows = expert_rows(self.runner.model.moe_layers, load)  # before a rebalance changes the slots
-            self.expert_load += rows
-            if self.eplb is not None:  # every rank, at the same step boundary
-                rebalance = self.eplb.step(rows)
+        if self.eplb is not None:  # every rank, at the same step boundary
+            rebalance = self.eplb.step(rows)
         if s is None:
             return
         if rebalance is not None:
@@ -487,7 +486,8 @@ class Worker:
         if load is None:
             self.step_log.append(record)
             return
-        ep = load.shape[1] // self.runner.model.moe_layers[0].num_experts  # ranks owning experts
+        self.expert_load += rows  # the leader's, for get_expert_load
+        ep = self.runner.model.moe_layers[0].ep_ranks
         per_rank = load.view(load.shape[0], ep, -1).sum((0, 2)).float()
         imbalance = torch.where(per_rank.sum() > 0, per_rank.max() / per_rank.mean(), 1.0)
         # Read a step later (after the next sampling sync), not now: reading it now would be a second
