@@ -142,11 +142,20 @@ class GrammarCache:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+# A JSON string's unescaped characters: no control character, quote or backslash, and no surrogate
+# (U+D800-U+DFFF), spelled as ranges of literal characters. xgrammar 0.2.9 turns a negated class
+# such as [^\x00-\x1f"\\] into bytes that also admit UTF-8-encoded surrogates and overlong forms
+# (ED AA 9A, E0 84 95): invalid UTF-8, decoded as three U+FFFD where the grammar counted one
+# character; its ranges of literal characters give exactly the valid UTF-8 sequences.
+STRING_CHAR = f"[ !#-\\[\\]-{chr(0xD7FF)}{chr(0xE000)}-{chr(0x10FFFF)}]"
+
+
 def _lengths_as_patterns(schema: object) -> object:
     """The schema with each string's minLength / maxLength (and no pattern or format) written as the
-    same bound on a pattern of JSON string characters. xgrammar 0.2.9 compiles a length-bounded
-    string to a rule that admits raw control characters (U+0000-U+001F), which JSON forbids in a
-    string and parsers such as `json.loads` and pydantic refuse; its patterns exclude them."""
+    same bound on a pattern of JSON string characters (`STRING_CHAR`). xgrammar 0.2.9 compiles a
+    length-bounded string to a rule that admits raw control characters (U+0000-U+001F), which JSON
+    forbids in a string and parsers such as `json.loads` and pydantic refuse, and its own classes
+    admit invalid UTF-8, which breaks the bound."""
     if isinstance(schema, list):
         return [_lengths_as_patterns(s) for s in schema]
     if not isinstance(schema, dict):
@@ -155,7 +164,7 @@ def _lengths_as_patterns(schema: object) -> object:
     bounded = "minLength" in out or "maxLength" in out
     if out.get("type") == "string" and bounded and not {"pattern", "format", "enum", "const"} & set(out):
         low, high = out.pop("minLength", 0), out.pop("maxLength", "")
-        out["pattern"] = f'^[^\\x00-\\x1f"\\\\]{{{low},{high}}}$'
+        out["pattern"] = f"^{STRING_CHAR}{{{low},{high}}}$"
     return out
 
 

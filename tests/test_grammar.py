@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 from conftest import engine_for
 
-from dpserve.grammar import Matcher, check_grammar, token_bitmask
+from dpserve.grammar import GrammarCache, Matcher, check_grammar, token_bitmask
 from dpserve.sampling_params import SamplingParams
 
 SCHEMAS = {
@@ -136,6 +136,58 @@ def test_a_verify_steps_rows_follow_the_drafts_and_the_matcher_ends_where_it_beg
     assert ended.accept(a) and ended.accept(c) and ended.terminated
 
 
+def test_a_token_the_grammar_refuses_ends_its_request_before_it_with_a_grammar_error(model_dirs):
+    """Should a sampled token ever break the grammar (its mask allowed it: a grammar engine's
+    fault), the request ends with its own error, 422 "grammar_error", not a server error; its output
+    stops before that token, its KV is freed, and the request beside it goes on to its end."""
+    from test_scheduler import assert_slots_consistent
+    from transformers import AutoTokenizer
+
+    from dpserve.scheduler.request import GenerateRequest
+    from dpserve.scheduler.scheduler import Scheduler
+    from dpserve.server.admission import error_body
+    from dpserve.server.streams import aborted_error
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dirs["llama"])
+    (digit,), (letter,) = (tokenizer.encode(c, add_special_tokens=False) for c in "7a")
+    grammars = GrammarCache(model_dirs["llama"], 301, (tokenizer.eos_token_id,), capacity=4, max_whitespace=0)
+    s = Scheduler(0, 64, 4, 16, 100, 301, eos_ids=(tokenizer.eos_token_id,), seed=0, grammars=grammars)
+    for rid in ("bad", "good"):
+        assert (
+            s.add(
+                GenerateRequest(
+                    rid, [5, 6, 7], SamplingParams(regex="[0-9]{4}", temperature=0.0, max_new_tokens=8)
+                )
+            )
+            is None
+        )
+    grammars.get(("regex", "[0-9]{4}")).result()
+    assert len(s.schedule().reqs) == 2
+    assert s.process_samples([[digit], [digit]], [[0.0], [0.0]]) == (
+        [("bad", digit, 0.0, []), ("good", digit, 0.0, [])],
+        [],
+    )
+    s.schedule()
+    new, (bad,) = s.process_samples([[letter], [digit]], [[0.0], [0.0]])
+    assert new == [("good", digit, 0.0, [])] and bad["rid"] == "bad" and bad["output_ids"] == [digit]
+    message = f"the grammar refused token {letter} at output position 1; the output ends before it"
+    assert bad["finish_reason"] == {"type": "abort", "message": message, "status_code": 422}
+    error = aborted_error(bad["finish_reason"])
+    assert error_body(error.status, str(error))["error"] == {
+        "message": f"the request was aborted: {message}",
+        "type": "grammar_error",
+        "code": 422,
+    }
+    assert_slots_consistent(s)
+    for tok in (digit, digit, tokenizer.eos_token_id):  # the grammar's end, then its stop token
+        s.schedule()
+        finished = s.process_samples([[tok]], [[0.0]])[1]
+    assert finished[0]["output_ids"] == [digit] * 4 + [tokenizer.eos_token_id]
+    assert finished[0]["finish_reason"] == {"type": "stop", "matched": tokenizer.eos_token_id}
+    assert not s.running and s.allocator.num_free + s.tree.size == 64
+    grammars.close()
+
+
 # --- through the engine ----------------------------------------------------------------------------
 
 
@@ -218,6 +270,56 @@ def test_speculative_drafts_are_accepted_only_as_far_as_the_grammar_allows(engin
             jsonschema.validate(json.loads(out["text"]), schema)
     (m,) = spec.get_metrics()
     assert m["spec_draft_tokens"] > 0 and m["spec_accepted_tokens"] > 0
+
+
+BOUNDED = {  # bounded strings inside bounded arrays: the shapes that escaped their mask (issue 48)
+    "tags": {
+        "type": "object",
+        "properties": {
+            "tags": {
+                "type": "array",
+                "items": {"type": "string", "maxLength": 8},
+                "minItems": 2,
+                "maxItems": 3,
+            }
+        },
+        "required": ["tags"],
+        "additionalProperties": False,
+    },
+    "bounded array": SCHEMAS["bounded array"],
+    "nested": SCHEMAS["nested"],
+}
+FILTERS = [  # every sampled path's filters and logit changes, cycled over the seeds
+    {},
+    {"top_k": 20, "top_p": 0.9},
+    {"min_p": 0.05, "frequency_penalty": 0.8},
+    {"presence_penalty": 1.0, "repetition_penalty": 1.2, "logit_bias": {"25": 3.0, "67": -2.0}},
+]
+
+
+@pytest.mark.parametrize("speculation", ["NGRAM", None])
+def test_every_sampled_token_is_one_its_grammar_allowed(engine_cache, model_dirs, speculation):
+    """48 seeds at temperature 1.0 per schema, with top-k/top-p/min-p, penalties and logit_bias, and
+    with NGRAM drafts verified by rejection sampling: each output replayed through a fresh matcher
+    accepts every token in turn and ends the grammar, and no request ends in an error."""
+    spec = dict(speculative_algorithm="NGRAM", speculative_num_steps=3) if speculation else {}
+    engine = engine_for(engine_cache, model_dirs, "llama", 1, 1, grammar_max_whitespace=0, **spec)
+    grammars = GrammarCache(model_dirs["llama"], 301, (1,), capacity=4, max_whitespace=0)
+    for schema in BOUNDED.values():
+        text = json.dumps(schema)
+        params = [
+            {"json_schema": text, "temperature": 1.0, "seed": seed, "max_new_tokens": 96, **FILTERS[seed % 4]}
+            for seed in range(48)
+        ]
+        compiled = grammars.get(("json_schema", text)).result()
+        for out in engine.generate(prompt=[PROMPTS[s % 4] for s in range(48)], sampling_params=params):
+            assert out["meta_info"]["finish_reason"]["type"] == "stop", out["meta_info"]["finish_reason"]
+            matcher = Matcher(compiled, [1])
+            for i, tok in enumerate(out["output_ids"]):
+                assert matcher.accept(tok), (schema, out["output_ids"], i)
+            assert matcher.terminated
+            jsonschema.validate(json.loads(out["text"]), schema)
+    grammars.close()
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 from conftest import CountOps
 
+from dpserve.grammar import token_bitmask
 from dpserve.sampling_params import SamplingParams
-from dpserve.worker.sampler import Penalties, TokenCounts, sample
+from dpserve.worker.sampler import GrammarMask, Penalties, TokenCounts, sample, uniforms
 
 PROBS = torch.tensor([0.4, 0.3, 0.2, 0.1])
 
@@ -146,3 +147,26 @@ def test_huge_penalties_and_biases_stay_finite():
     params = SamplingParams(repetition_penalty=0.5, frequency_penalty=-2.0, logit_bias={1: -100.0})
     samples = sample(logits, [params], [(0, 0)], penalties=Penalties(counts, [0], [0], [[]]))
     assert samples.errors == [None] and samples.tokens == [[2]]
+
+
+def test_a_token_of_probability_zero_is_never_drawn():
+    """A token the grammar masks or a filter cuts has probability 0 and must never win the race.
+    With 24 random bits the generator's top value rounded to u = 1.0 (key (1, 16377) did at column
+    390): its Exp(1) draw was 0, and 0 / 0 = NaN won argmax for a forbidden token. 16,384 keys over
+    512 tokens (8.4 M draws, 2^23 possible values each), the only allowed tokens 7 and 8."""
+    n, vocab = 16384, 512
+    keys = [(1, c) for c in range(n)]
+    lo, hi = torch.tensor([k[0] for k in keys]), torch.zeros(n, dtype=torch.long)
+    u = uniforms(lo, hi, torch.tensor([k[1] for k in keys]), vocab + 1)
+    assert u.min().item() > 0 and u.max().item() < 1
+    bitmask = token_bitmask(n, vocab)
+    bitmask[:] = 0
+    bitmask[:, 0] = (1 << 7) | (1 << 8)
+    logits = torch.zeros(n, vocab)
+    masked = sample(
+        logits, [SamplingParams(temperature=1.0)] * n, keys, grammar=GrammarMask(bitmask, list(range(n)))
+    )
+    assert {t for (t,) in masked.tokens} == {7, 8}
+    logits[:, 7:9] = 5.0  # top-k keeps 7 and 8 only
+    cut = sample(logits, [SamplingParams(temperature=1.0, top_k=2)] * n, keys)
+    assert {t for (t,) in cut.tokens} == {7, 8}

@@ -47,6 +47,14 @@ NEW_TOKEN_RATIO_DECAY = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / 600  # pe
 NEW_TOKEN_RATIO_STEP_UP = 0.1  # after a retraction at or above the initial ratio
 ESTIMATE_CLIP = 4096  # decode tokens counted per request in the estimate (as SGLang)
 MAX_RETRACTIONS = 3
+GRAMMAR_ERROR = 422  # the status of a request whose grammar refused a sampled token ("grammar_error")
+
+
+def grammar_refused(tok: int, position: int) -> dict:
+    """The end of a request whose grammar refused a token its mask had allowed (a fault of the
+    grammar engine, not of the request or the server): its output stops before that token."""
+    message = f"the grammar refused token {tok} at output position {position}; the output ends before it"
+    return {"type": "abort", "message": message, "status_code": GRAMMAR_ERROR}
 
 
 def largest_step(
@@ -200,6 +208,8 @@ class Scheduler:
         if self.tree is not None:
             self._cache(req)
         top = [tuple(t) for t in top]
+        if not self._grammar_accepts(req, token):
+            return [], [self._finish(req, grammar_refused(token, 0))]
         reason = self._take_token(req, token, logprob, top)
         self.counters["generated_tokens"] += 1
         if reason is not None:
@@ -578,6 +588,9 @@ class Scheduler:
         for req, toks, lps, tops, error in steps:
             reason, emitted = None, 0
             for tok, lp, top in zip(toks, lps, tops, strict=True):
+                if not self._grammar_accepts(req, tok):  # its mask allowed it: never, unless a bug
+                    reason = grammar_refused(tok, len(req.output_ids))
+                    break
                 new.append((req.rid, tok, lp, top))
                 emitted += 1
                 reason = self._take_token(req, tok, lp, top)
@@ -621,15 +634,26 @@ class Scheduler:
         req.logprobs.append(lp)
         req.top_logprobs.append(top)
         reason = self._finish_reason(req, tok)
-        if req.matcher is not None and req.grammar_after is not None:
+        if (
+            reason is None
+            and req.matcher is not None
+            and req.grammar_after is None
+            and req.matcher.terminated
+        ):
+            reason = {"type": "stop", "matched": None}  # complete, and no stop token to wait for
+        return reason
+
+    @staticmethod
+    def _grammar_accepts(req: Req, tok: int) -> bool:
+        """Moves `req`'s matcher past `tok` (the end of its reasoning only lifts the wait for it);
+        False if the grammar refuses it, which then stays unaccepted."""
+        if req.matcher is None:
+            return True
+        if req.grammar_after is not None:
             if tok == req.grammar_after:  # the reasoning ended: the grammar applies from here
                 req.grammar_after = None
-        elif req.matcher is not None:
-            if not req.matcher.accept(tok):  # the mask allowed it: never, unless a bug
-                reason = {"type": "abort", "message": f"token {tok} breaks the grammar", "status_code": 500}
-            elif reason is None and req.matcher.terminated:  # complete, and no stop token to wait for
-                reason = {"type": "stop", "matched": None}
-        return reason
+            return True
+        return req.matcher.accept(tok)
 
     def _make_draft_batch(self) -> None:
         """The MTP rows after this step: every position it kept, paired with the token after it."""

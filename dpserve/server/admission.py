@@ -16,7 +16,12 @@ GENERATION_PATHS = frozenset({"/generate", "/v1/completions", "/v1/chat/completi
 RETRY_AFTER_S = 1  # what a shed request is told to wait
 DEFAULT_MAX_REQUEST_BYTES = 32 << 20  # far above a context-length prompt sent as token ids
 DRAIN_BYTES = 1 << 20  # of a body over the limit: read and dropped before the 413
-ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 503: "service_unavailable"}
+ERROR_TYPES = {
+    401: "authentication_error",
+    404: "not_found_error",
+    422: "grammar_error",
+    503: "service_unavailable",
+}
 JSON_TYPES = (b"application/json",)  # and any application/*+json
 
 

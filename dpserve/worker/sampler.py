@@ -351,8 +351,12 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 def uniforms(seed_lo: torch.Tensor, seed_hi: torch.Tensor, counter: torch.Tensor, width: int) -> torch.Tensor:
     """[rows, width] uniforms in (0, 1), a counter-based generator: row r's values are a hash of
     (seed_lo[r], seed_hi[r], counter[r]) and the column, so every row draws in the same few ops
-    whatever the batch, and a request's draws depend on its seed and position only."""
+    whatever the batch, and a request's draws depend on its seed and position only.
+
+    23 random bits: (bits + 0.5) * 2^-23 is then exact in float32, at most 1 - 2^-24. With 24 bits
+    the top value rounded to 1.0, its Exp(1) draw -log(u) was 0, and in the exponential race a token
+    of probability 0 (masked by a grammar, cut by top-k) scored 0 / 0 = NaN, which argmax picks."""
     key = _mix32(_mix32(_mix32(seed_hi) ^ seed_lo) ^ counter)
     columns = _mix32(torch.arange(width, device=key.device))
-    bits = _mix32(key[:, None] ^ columns[None]) >> 8  # 24 bits: a float32's mantissa
-    return (bits.float() + 0.5) * 2.0**-24
+    bits = _mix32(key[:, None] ^ columns[None]) >> 9
+    return (bits.float() + 0.5) * 2.0**-23
