@@ -41,8 +41,8 @@ def model(model_dirs) -> str:
 def test_watchdog_tells_silent_from_busy():
     """The decision rule: a rank computing a long step keeps beating and trips only past the
     timeout; a silent one trips after the timeout; silence while nobody listened does not count."""
-    dog = Watchdog(timeout=300)
-    t0 = dog.listening_since
+    t0 = 1000.0  # a fixed origin: (t0 + 300) - t0 is exactly 300 (not so for every monotonic reading)
+    dog = Watchdog(timeout=300, now=t0)
     dog.beat(0, step_age=0.0, now=t0)
     dog.beat(1, step_age=0.0, now=t0)
     for second in range(1, 300):  # a 299-second step: rank 0 beats throughout
@@ -52,12 +52,13 @@ def test_watchdog_tells_silent_from_busy():
     assert [r for r, _ in dog.silent(t0 + 300)] == [1]
     dog.beat(0, step_age=300 + 2 * dog.interval, now=t0 + 302)
     assert [r for r, _ in dog.stalled()] == [0]
-    idle = Watchdog(timeout=5)
-    idle.beat(0, step_age=0.0, now=idle.listening_since)
-    idle.leave(idle.listening_since)
-    idle.listen(idle.listening_since + 60)  # an Engine idle for a minute starts reading again
-    assert idle.silent(idle.listening_since + 4) == []
-    assert [r for r, _ in idle.silent(idle.listening_since + 5)] == [0]
+    idle = Watchdog(timeout=5, now=t0)
+    idle.beat(0, step_age=0.0, now=t0)
+    idle.leave(t0)
+    idle.listen(t0 + 60)  # an Engine idle for a minute starts reading again
+    assert idle.listening_since == t0 + 60
+    assert idle.silent(t0 + 64) == []
+    assert [r for r, _ in idle.silent(t0 + 65)] == [0]
 
 
 # --- a server with an API key, a body limit, a queue limit and a graceful stop -------------------

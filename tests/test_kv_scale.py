@@ -13,19 +13,28 @@ from dpserve.kvcache.allocator import SlotAllocator
 from dpserve.kvcache.radix_cache import RadixTree
 
 
-def test_billion_slot_pool_is_instant_and_small():
-    tracemalloc.start()
+def _churn(size: int) -> tuple[SlotAllocator, float]:
+    """A pool of `size` slots after a few requests and 2,000 decode-like steps, and the seconds taken."""
     begin = time.perf_counter()
-    pool = SlotAllocator(10**9)
+    pool = SlotAllocator(size)
     held = [pool.alloc(n) for n in (4096, 1, 7, 300, 1)]
     for slots in held[::2]:
         pool.free(slots)
     for _ in range(2000):  # decode-like churn: one slot per request per step
         pool.free(pool.alloc(1))
-    seconds = time.perf_counter() - begin
+    return pool, time.perf_counter() - begin
+
+
+def test_billion_slot_pool_is_instant_and_small():
+    """Time and memory do not grow with the pool's size: a billion slots churn as fast as 10,000
+    (best of three, measured side by side: no figure that depends on the machine's speed)."""
+    small = min(_churn(10**4)[1] for _ in range(3))
+    tracemalloc.start()
+    pool, seconds = _churn(10**9)
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
-    assert seconds < 0.5, seconds
+    seconds = min(seconds, *(_churn(10**9)[1] for _ in range(2)))
+    assert seconds < 3 * small, (seconds, small)  # a per-slot structure: ~10^5 times slower
     assert peak < 2 * 2**20, peak  # the old list of ints: ~36 GB
     assert pool.num_free == 10**9 - 1 - 300
 
@@ -102,13 +111,17 @@ def test_eviction_is_least_recently_used_first():
 
 
 def test_eviction_cost_does_not_grow_with_the_tree():
+    """Evicting 10,000 leaves one at a time costs less than inserting the 20,000 did (measured side by
+    side; the old walk visited every node per eviction: 10,000 x 20,000)."""
     tree = RadixTree()
     n = 20_000
+    begin = time.perf_counter()
     for i in range(n):  # 20,000 leaves under one shared prefix
         tree.insert([0, 1, 2, i + 3], [4 * i + 1, 4 * i + 2, 4 * i + 3, 4 * i + 4])
+    inserting = time.perf_counter() - begin
     begin = time.perf_counter()
-    freed = [tree.evict(1) for _ in range(n // 2)]  # the old walk: 10,000 x 20,000 nodes
+    freed = [tree.evict(1) for _ in range(n // 2)]
     seconds = time.perf_counter() - begin
-    assert seconds < 1.0, seconds
+    assert seconds < inserting, (seconds, inserting)
     assert [f[0] for f in freed[:3]] == [4, 8, 12]  # the oldest leaves first, one token each
     assert tree.size == 3 + n - n // 2

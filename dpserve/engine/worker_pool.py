@@ -145,13 +145,13 @@ class Watchdog:
     seconds while the front end was listening; a rank's step stalls once its current step-loop
     iteration has run for `timeout` plus two heartbeats (by then the rank has logged its stacks)."""
 
-    def __init__(self, timeout: float):
+    def __init__(self, timeout: float, now: float):
         self.timeout = timeout
         self.interval = heartbeat_interval(timeout)
         self.heard: dict[int, float] = {}  # rank -> when its latest heartbeat arrived
         self.step_age: dict[int, float] = {}  # rank -> its iteration's age in that heartbeat
-        self.listening_since = time.monotonic()
-        self._left = time.monotonic()  # when the front end last stopped listening
+        self.listening_since = now
+        self._left = now  # when the front end last stopped listening
 
     def beat(self, rank: int, step_age: float, now: float) -> None:
         self.heard[rank] = now
@@ -187,7 +187,7 @@ class WorkerPool:
     def __init__(self, cfg: EngineConfig):
         self.cfg = cfg
         self.closed = True
-        self.watchdog = Watchdog(cfg.watchdog_timeout)
+        self.watchdog = Watchdog(cfg.watchdog_timeout, time.monotonic())
         self._dir = Path(tempfile.mkdtemp(prefix="dpserve-"))
         bind, connect = worker_addresses(cfg, self._dir)
         self._zmq = zmq.Context()
