@@ -243,7 +243,9 @@ class EngineConfig:
         "whose prefix cache most likely holds its prompt's beginning unless the groups' loads drift "
         "apart (then as minimum_tokens); minimum_tokens: fewest outstanding tokens (queued prompt "
         "tokens + remaining decode budgets); shortest_queue: fewest requests in flight; round_robin: "
-        "in turn. A request can pin a group with data_parallel_rank",
+        "in turn. Each method picks among the groups with a free running slot while any has one, so no "
+        "request waits behind a full group while another could start it. A request can pin a group "
+        "with data_parallel_rank",
         choices=LOAD_BALANCE_METHODS,
         section="routing over DP groups",
     )

@@ -183,6 +183,47 @@ def test_queue_limit_counts_waiting_requests_as_sglang_does(guarded, model):
     assert len(alone["output_ids"]) == SLOW
 
 
+def test_shared_prompts_fill_every_group_before_any_request_waits(guarded):
+    """Users share system prompts: two long requests with the same prompt run one per group (the
+    prefix alone would put both on one group, the second waiting while the other group idles);
+    then of six more sent at once exactly one waits (--max-queued-requests 1) and five are shed:
+    3 served and 5 shed, what the instance as a whole can start or queue."""
+    prompt = {"input_ids": [11, 12, 13, 14, 15, 16, 17, 18], "sampling_params": {"ignore_eos": True}}
+    answers: dict[str, httpx.Response] = {}
+
+    def send(name: str, tokens: int) -> threading.Thread:
+        body = {**prompt, "sampling_params": {"ignore_eos": True, "max_new_tokens": tokens}}
+
+        def post() -> None:
+            answers[name] = httpx.post(f"{guarded.url}/generate", json=body, headers=AUTH, timeout=300)
+
+        thread = threading.Thread(target=post)
+        thread.start()
+        return thread
+
+    def in_flight() -> list[int]:  # per group, as the router counts them
+        return [g["num_reqs"] for g in httpx.get(f"{guarded.url}/get_load", headers=AUTH).json()]
+
+    deadline = time.monotonic() + 60
+    long = [send("first", 480)]
+    while sum(in_flight()) < 1:  # routed, running
+        assert time.monotonic() < deadline
+    long.append(send("second", 480))
+    while sum(routed := in_flight()) < 2:
+        assert time.monotonic() < deadline
+    burst = [send(str(i), 4) for i in range(6)]
+    while len(answers) < 5:  # the shed ones answer at once; the admitted one waits for a slot
+        assert time.monotonic() < deadline
+    shed = dict(answers)
+    for thread in long + burst:
+        thread.join()
+    assert routed == [1, 1]  # one per group: neither waited
+    assert {a.status_code for a in shed.values()} == {503} and len(shed) == 5
+    assert answers["first"].json()["meta_info"]["dp_rank"] != answers["second"].json()["meta_info"]["dp_rank"]
+    served = [k for k, a in answers.items() if a.status_code == 200]
+    assert len(served) == 3 and {"first", "second"} <= set(served)
+
+
 def test_graceful_stop_finishes_the_request_in_flight(guarded, model):
     body = {"model": model, "prompt": "a story", "max_tokens": SLOW, "ignore_eos": True, "stream": True}
     body |= {"stream_options": {"include_usage": True}}

@@ -110,3 +110,24 @@ def test_cache_aware_policy_is_validated():
         router(2, cache_threshold=1.5)
     with pytest.raises(ValueError, match="balance thresholds"):
         router(2, balance_rel_threshold=0.5)
+
+
+@pytest.mark.parametrize("method", ["cache_aware", "minimum_tokens", "shortest_queue", "round_robin"])
+def test_no_request_waits_behind_a_full_group_while_another_has_room(method):
+    """One running slot per group (--max-running-requests 2 over 2 DP attention groups, 3 over 3; 1
+    for each replica) and requests sharing their whole prompt, as users sharing a system prompt do:
+    while a group has a free slot the request goes there, whatever its prefix; with every group
+    full, the method (the prefix, for cache_aware) decides again."""
+    for groups, dp_attention in ((2, True), (3, True), (2, False)):
+        layout = dict(tp_size=groups, enable_dp_attention=True) if dp_attention else {}
+        r = router(groups, method, max_running_requests=groups if dp_attention else 1, **layout)
+        prompt = ids(300, 7)
+        assert sorted(r.route(str(i), prompt, 50) for i in range(groups)) == list(range(groups))
+        r.on_finish("1")  # group 1's slot frees: the next request starts there
+        assert r.route("again", prompt, 50) == 1
+        queued = r.route("queued", prompt, 50)  # all full: it waits where the method puts it
+        assert 0 <= queued < groups and r.requests[queued] == 2
+    pinned = router(2, method, max_running_requests=1)
+    pinned.route("a", ids(10), 5, pinned=0)
+    assert pinned.route("b", ids(10), 5, pinned=0) == 0  # a pin is kept, full or not
+    assert pinned.route("c", ids(10), 5) == 1

@@ -1,7 +1,9 @@
 """Routing requests across DP groups (or replicas), with load counted by the front end itself.
 
 The load of a group is updated the moment a request is routed to it, not when a worker reports
-back, so a burst of requests spreads at once.
+back, so a burst of requests spreads at once. Every method picks among the groups with a free
+running slot (fewer requests in flight than --max-running-requests gives a group) while any has
+one: no request waits behind a full group while another could start it, whatever its prefix.
 
     cache_aware      the group whose prefix cache most likely holds the prompt's beginning, by an
                      approximate radix tree of the token ids sent to each group (bounded, LRU);
@@ -40,20 +42,23 @@ class Router:
         self._inflight: dict[str, _Load] = {}
         self.outstanding_tokens = [0] * self.num_groups
         self.requests = [0] * self.num_groups
+        self.running_per_group = cfg.running_per_group
 
     def route(self, rid: str, input_ids: list[int], max_new_tokens: int, pinned: int | None = None) -> int:
         """Picks the group of a new request (or takes the pinned one) and counts its load there."""
         if pinned is not None:
             self.check_pin(pinned)
             group = pinned
-        elif self.method == "cache_aware":
-            group = self._cache_aware(input_ids)
-        elif self.method == "round_robin":
-            group = next(self._turn) % self.num_groups
-        elif self.method == "shortest_queue":
-            group = min(range(self.num_groups), key=lambda g: (self.requests[g], self.outstanding_tokens[g]))
         else:
-            group = self._least_loaded()
+            groups = self._open()
+            if self.method == "cache_aware":
+                group = self._cache_aware(input_ids, groups)
+            elif self.method == "round_robin":
+                group = next(g for g in (t % self.num_groups for t in self._turn) if g in groups)
+            elif self.method == "shortest_queue":
+                group = min(groups, key=lambda g: (self.requests[g], self.outstanding_tokens[g]))
+            else:
+                group = self._least_loaded(groups)
         if self.trees:
             tree = self.trees[group]
             tree.insert(input_ids)
@@ -64,19 +69,24 @@ class Router:
         self.requests[group] += 1
         return group
 
-    def _least_loaded(self) -> int:
-        return min(range(self.num_groups), key=lambda g: (self.outstanding_tokens[g], self.requests[g]))
+    def _open(self) -> list[int]:
+        """The groups with a free running slot; all of them when none has (the request queues)."""
+        free = [g for g in range(self.num_groups) if self.requests[g] < self.running_per_group]
+        return free or list(range(self.num_groups))
 
-    def _cache_aware(self, input_ids: list[int]) -> int:
+    def _least_loaded(self, groups: list[int]) -> int:
+        return min(groups, key=lambda g: (self.outstanding_tokens[g], self.requests[g]))
+
+    def _cache_aware(self, input_ids: list[int], groups: list[int]) -> int:
         p, loads = self.cfg, self.outstanding_tokens
         low, high = min(loads), max(loads)
         if high - low > p.balance_abs_threshold and high > p.balance_rel_threshold * low:
-            return self._least_loaded()
-        matched = [tree.match_prefix(input_ids)[2] for tree in self.trees]
-        best = max(range(self.num_groups), key=lambda g: (matched[g], -loads[g], -self.requests[g]))
+            return self._least_loaded(groups)
+        matched = {g: self.trees[g].match_prefix(input_ids)[2] for g in groups}
+        best = max(groups, key=lambda g: (matched[g], -loads[g], -self.requests[g]))
         if matched[best] > 0 and matched[best] >= p.cache_threshold * len(input_ids):
             return best
-        return self._least_loaded()
+        return self._least_loaded(groups)
 
     def flush(self) -> None:
         """Forgets what was sent where (the groups' prefix caches were flushed)."""
