@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
+import threading
 import time
 
 import httpx
@@ -118,3 +120,54 @@ def test_ranks_die_with_a_killed_server(model_dirs):
     finally:
         for pid in filter(running, pids):
             os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("how", ["SIGTERM to the ranks, then to the group", "SIGINT to the group"])
+def test_a_signal_to_the_whole_process_group_is_a_normal_stop(model_dirs, how):
+    """A service manager stops a server by signalling every process of its group (systemd's
+    KillMode=control-group), Ctrl-C signals the terminal's group: at tp 2 dp 2 either is a normal
+    stop, with the ranks signalled first too: the requests in flight (plain and streamed) end naming
+    the shutdown, nothing is logged as an error, no traceback, exit 0."""
+    sig = signal.SIGTERM if how.startswith("SIGTERM") else signal.SIGINT
+    args = ["--model-path", model_dirs["deepseek_v2"], "--tp", "2", "--dp", "2", "--enable-dp-attention"]
+    srv = ServerProcess(*args, "--dtype", "float32", own_group=True)
+    pids = [int(p) for p in httpx.get(f"{srv.url}/get_server_info").json()["worker_pids"].values()]
+    body = {"input_ids": [5] * 10, "sampling_params": {"max_new_tokens": 480, "ignore_eos": True}}
+    answers: dict = {}
+
+    def plain() -> None:
+        answers["plain"] = httpx.post(f"{srv.url}/generate", json=body, timeout=120)
+
+    def streamed() -> None:
+        with httpx.stream("POST", f"{srv.url}/generate", json={**body, "stream": True}, timeout=120) as r:
+            answers["stream"] = [x.removeprefix("data: ") for x in r.iter_lines() if x.startswith("data: ")]
+
+    threads = [threading.Thread(target=f) for f in (plain, streamed)]
+    try:
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 60
+        while sum(g["num_reqs"] for g in httpx.get(f"{srv.url}/get_load").json()) < 2:  # both in flight
+            assert time.monotonic() < deadline
+        if how.startswith("SIGTERM to the ranks"):
+            for pid in pids:
+                os.kill(pid, sig)
+        os.killpg(srv.proc.pid, sig)
+        code = srv.wait(60)
+        for thread in threads:
+            thread.join()
+    finally:
+        srv.kill()
+        for pid in filter(running, pids):
+            os.kill(pid, signal.SIGKILL)
+    assert code == 0, srv.output
+    assert "shut down cleanly" in srv.output
+    assert " ERROR " not in srv.output and "Traceback" not in srv.output, srv.output
+    cause = "the request was aborted: the server is shutting down"
+    assert answers["plain"].status_code == 503 and answers["plain"].json()["error"]["message"] == cause
+    assert answers["stream"][-1] == "[DONE]"
+    assert json.loads(answers["stream"][-2])["error"] == {
+        "message": cause,
+        "type": "service_unavailable",
+        "code": 503,
+    }

@@ -16,11 +16,13 @@ import dataclasses
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
+import multiprocessing.forkserver
 import os
 import shutil
 import signal
 import socket
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -119,6 +121,7 @@ def start_ranks(cfg: EngineConfig, addrs: WorkerAddresses) -> list[mp.Process]:
     # only the first engine of a process pays for the imports. A rank still dies with the front end: it watches its starter's sentinel (worker/loop.py).
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
+    _start_fork_server()
     procs = [
         ctx.Process(target=run_worker, args=(r, cfg, addrs), daemon=True, name=f"dpserve-rank{r}")
         for r in range(first, first + cfg.ranks_per_node)
@@ -126,6 +129,22 @@ def start_ranks(cfg: EngineConfig, addrs: WorkerAddresses) -> list[mp.Process]:
     for p in procs:
         p.start()
     return procs
+
+
+def _start_fork_server() -> None:
+    """Starts the fork server (once per process) with SIGTERM ignored, as Python already has it
+    ignore SIGINT: a service manager stopping the server signals every process of its group, and
+    a fork server dead before its ranks leaves their exit codes unknown (multiprocessing reports
+    255 at once, though they still run), which read as failed ranks. It ends when the front end
+    does (its socket closes). A signal handler can be set from the main thread only."""
+    if threading.current_thread() is not threading.main_thread():
+        multiprocessing.forkserver.ensure_running()
+        return
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)  # inherited across its exec
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def stop_ranks(procs: list[mp.Process], timeout: float | None = 10) -> None:

@@ -270,7 +270,8 @@ class TokenizerManager:
             try:
                 msg = self.front.recv(timeout_ms=RECV_TIMEOUT_MS)
             except WorkerFailure as e:
-                self._loop.call_soon_threadsafe(self._fail, str(e))
+                if not self._stopping.is_set():  # else the event loop may be closed already
+                    self._loop.call_soon_threadsafe(self._fail, str(e))
                 return
             except RuntimeError:  # shut down
                 return

@@ -25,11 +25,23 @@ POLL_S = 0.2  # between readiness polls
 class ChildProcess:
     """A child process whose output is collected line by line (`output`) as it runs."""
 
-    def __init__(self, cmd: list[str], ready_line: str | None = None, cpus: set[int] | None = None):
+    def __init__(
+        self,
+        cmd: list[str],
+        ready_line: str | None = None,
+        cpus: set[int] | None = None,
+        own_group: bool = False,
+    ):
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         pin = None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
         self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, preexec_fn=pin
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            preexec_fn=pin,
+            process_group=0 if own_group else None,  # a group of its own: signalled as a service manager does
         )
         self.log: list[str] = []
         self._ready_line = ready_line
@@ -82,13 +94,14 @@ class ServerProcess(ChildProcess):
         wait_ready: bool = True,
         timeout: float = 300,
         cpus: set[int] | None = None,
+        own_group: bool = False,
     ):
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "dpserve.launch_server", *args]
         if wait_ready:
             cmd += ["--port", str(self.port)]
-        super().__init__(cmd, READY_LINE, cpus)
+        super().__init__(cmd, READY_LINE, cpus, own_group)
         if wait_ready:
             self._ready.wait(timeout)
             if self.proc.poll() is not None or not self._ready.is_set():
