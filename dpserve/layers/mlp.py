@@ -16,6 +16,7 @@ from torch.distributed import ProcessGroup
 from dpserve import cpu_ops
 from dpserve.layers.ep_dispatch import dispatch_combine
 from dpserve.layers.linear import Linear, onednn_packs, pack, packed_linear
+from dpserve.layers.quant import FP8, BlockFP8, block_tables, building_spec, fp8_linear
 from dpserve.memory import moe_chunk_rows
 from dpserve.step.records import StepLayout
 
@@ -129,8 +130,16 @@ class MoE(nn.Module):
             if spec.router_bias
             else None
         )
-        self.w13 = nn.Parameter(torch.empty(n, 2 * intermediate_local, h), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(n, h, intermediate_local), requires_grad=False)
+        quant = building_spec()
+        dtype = FP8 if quant else None
+        self.w13 = nn.Parameter(torch.empty(n, 2 * intermediate_local, h, dtype=dtype), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(n, h, intermediate_local, dtype=dtype), requires_grad=False)
+        self.w13_scale = self.w2_scale = None  # block FP8: the experts' scales (`dpserve.layers.quant`)
+        if quant is not None:
+            scale13, self.w13_row_block, self.w13_col_block = block_tables(self.w13.shape, quant.block)
+            scale2, self.w2_row_block, self.w2_col_block = block_tables(self.w2.shape, quant.block)
+            self.w13_scale = nn.Parameter(scale13, requires_grad=False)
+            self.w2_scale = nn.Parameter(scale2, requires_grad=False)
         # Expert biases (gpt-oss). Split over WORLD, each rank holds its part of b13 and only rank 0
         # the down projection's bias (zeros elsewhere), so the summed partials add it once.
         self.b13, self.b2 = (
@@ -217,6 +226,10 @@ class MoE(nn.Module):
             return fused_experts(x, self.w13, self.w2, weights, ids, b13=self.b13, b2=self.b2, clamp=clamp)
         if self.packed is not None:
             return experts_loop(x, *self.packed, weights, ids, packed_linear, self.act, self.b13, self.b2)
+        if self.w13_scale is not None:
+            w13 = BlockFP8(self.w13, self.w13_scale, self.w13_row_block, self.w13_col_block)
+            w2 = BlockFP8(self.w2, self.w2_scale, self.w2_row_block, self.w2_col_block)
+            return experts_loop(x, w13, w2, weights, ids, fp8_linear, self.act, self.b13, self.b2)
         return experts_loop(x, self.w13, self.w2, weights, ids, F.linear, self.act, self.b13, self.b2)
 
     def pack_for_cpu(self) -> bool:
@@ -232,7 +245,9 @@ class MoE(nn.Module):
     @property
     def expert_tensors(self) -> list[torch.Tensor]:
         """What a slot holds of its expert, each [local slots, ...]: what rebalancing moves."""
-        return [t for t in (self.w13, self.w2, self.b13, self.b2) if t is not None]
+        return [
+            t for t in (self.w13, self.w2, self.w13_scale, self.w2_scale, self.b13, self.b2) if t is not None
+        ]
 
     def set_placement(self, experts_of: list[int]) -> None:
         """Each slot's expert from now on (its weights already moved there), the tables in place."""

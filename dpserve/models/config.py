@@ -11,6 +11,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from dpserve.config import EngineConfig
 from dpserve.eplb.placement import Placement, start_placement
+from dpserve.layers.quant import QuantSpec
 from dpserve.models.family import FAMILIES, SERVED, Family, MoESpec
 from dpserve.models.loader import CheckpointReader
 
@@ -32,6 +33,7 @@ class ModelConfig:
     num_mtp_layers: int = 0  # DeepSeek's num_nextn_predict_layers: MTP layers after the decoder layers
     family: str = ""  # config.json's model_type (kimi_k2 for Kimi-K2, whose hf config is DeepSeek-V3's)
     moe: MoESpec | None = None  # None: a dense model
+    quant: QuantSpec | None = None  # how its linear weights are stored; None: in a float dtype
 
     @property
     def declaration(self) -> Family:
@@ -48,20 +50,6 @@ class ModelConfig:
         arch = (hf.architectures or ["?"])[0]
         if family not in FAMILIES or arch not in FAMILIES[family].archs:
             raise ValueError(f"unsupported architecture {arch!r} (model_type {family!r}); {SERVED}")
-        quant = getattr(hf, "quantization_config", None)
-        method = (
-            (quant.get("quant_method", "?") if isinstance(quant, dict) else type(quant).__name__)
-            if quant
-            else ""
-        )
-        if method and method not in FAMILIES[family].quantizations:
-            # Loading quantized tensors without their scales would serve garbage without an error.
-            raise ValueError(
-                f"{model_path}: quantization_config with quant_method={method!r} is not supported; dpserve "
-                "runs unquantized checkpoints (float32, float16, bfloat16 safetensors), GGUF files and "
-                "gpt-oss's MXFP4 experts (dequantized at load). Dequantize the checkpoint first (DeepSeek-V3's "
-                "FP8 weights: its fp8_cast_bf16.py)."
-            )
         return cls(
             hf=hf,
             arch=arch,
@@ -78,6 +66,7 @@ class ModelConfig:
             num_mtp_layers=getattr(hf, "num_nextn_predict_layers", None) or 0,
             family=family,
             moe=FAMILIES[family].moe(hf),
+            quant=read_quantization(model_path, hf, family),
         )
 
     def validate(self, cfg: EngineConfig) -> None:
@@ -106,6 +95,11 @@ class ModelConfig:
                 )
             raise ValueError(
                 f"num_key_value_heads={self.num_kv_heads} must divide or be divisible by {a} {layout}{hint}"
+            )
+        if self.quant is not None and cfg.device != "cpu":
+            raise ValueError(
+                f"{self.path}: block-FP8 weights (quantization_config quant_method fp8) are served on the CPU; "
+                "their GPU kernels (Triton block-FP8 GEMM and fused MoE) are not built yet"
             )
         moe = self.moe
         if cfg.ep_size > 1 and moe is None:
@@ -182,6 +176,37 @@ class ModelConfig:
                 f"{self.path}: config.json has num_nextn_predict_layers={self.num_mtp_layers} but the "
                 f"checkpoint has no {name} (its MTP weights were left out)"
             )
+
+
+SERVED_QUANTIZATION = (
+    "dpserve serves unquantized checkpoints (float32, float16, bfloat16 safetensors), block-FP8 ones "
+    "(quant_method fp8 with weight_block_size, DeepSeek-V3's format: kept 8-bit), GGUF files and gpt-oss's "
+    "MXFP4 experts (dequantized at load)"
+)
+
+
+def read_quantization(model_path: str, hf: PretrainedConfig, family: str) -> QuantSpec | None:
+    """The checkpoint's quantization_config as dpserve serves it; ValueError naming what it is
+    otherwise (loading quantized tensors without their scales would serve garbage without an error)."""
+    quant = getattr(hf, "quantization_config", None)
+    if not quant:
+        return None
+    quant = quant if isinstance(quant, dict) else quant.to_dict()
+    method = quant.get("quant_method", "?")
+    if method in FAMILIES[family].quantizations:
+        return None  # dequantized by the family's own loading (gpt-oss's MXFP4 experts)
+    if method != "fp8":
+        raise ValueError(
+            f"{model_path}: quantization_config with quant_method={method!r} is not supported; {SERVED_QUANTIZATION}"
+        )
+    block, fmt = quant.get("weight_block_size"), quant.get("fmt", "e4m3")
+    scheme = quant.get("activation_scheme", "dynamic")
+    if not block or len(block) != 2 or fmt != "e4m3" or scheme != "dynamic":
+        raise ValueError(
+            f"{model_path}: FP8 with weight_block_size={block}, fmt={fmt!r}, activation_scheme={scheme!r} is not "
+            f"supported (per-tensor or static FP8); {SERVED_QUANTIZATION}"
+        )
+    return QuantSpec("fp8", (int(block[0]), int(block[1])))
 
 
 def read_hf_config(model_path: str | Path) -> tuple[PretrainedConfig, str]:

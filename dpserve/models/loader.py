@@ -28,6 +28,8 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from dpserve.layers.quant import FP8, dequantize, quantized_weights_of
+
 
 @dataclass(frozen=True)
 class Weight:
@@ -38,6 +40,13 @@ class Weight:
     pad: bool = False  # zeros past the tensor's end instead of an error
     part_size: int | None = None  # elements of the part along `dim` (default: dest.shape[dim])
     transform: Callable[[torch.Tensor], torch.Tensor] | None = None  # the part into dest's layout
+
+    def origin(self) -> tuple[int, int]:
+        """Where this rank's part starts in the checkpoint's [rows, cols] tensor."""
+        if self.dim is None:
+            return 0, 0
+        start = self.index * (self.part_size or self.dest.shape[self.dim])
+        return (start, 0) if self.dim == 0 else (0, start)
 
     def read(self, r: CheckpointReader) -> torch.Tensor:
         sl = r.slice(self.name)
@@ -176,17 +185,116 @@ def read_order(weights: list[Weight], reader: CheckpointReader) -> list[list[Wei
     return out
 
 
+class BlockScales:
+    """Block-FP8 tensors as they are read: each rank's part with the scales of the blocks it touches
+    (also when the part starts inside a block), widened for a destination in another dtype, or
+    collected for a quantized one (`dpserve.layers.quant`) whose scale table and block indices are
+    drawn once all its parts are read (`finish`)."""
+
+    def __init__(self, block: tuple[int, int], model: torch.nn.Module):
+        self.block = block
+        # Each quantized weight by its storage: (module, name), and the parts read into it.
+        self.targets = {
+            getattr(m, name).untyped_storage().data_ptr(): (m, name)
+            for m in model.modules()
+            for name in quantized_weights_of(m)
+        }
+        self.parts: dict[int, list[tuple[int, int, int, int, int, torch.Tensor]]] = {}
+
+    def scales(self, w: Weight, r: CheckpointReader) -> tuple[torch.Tensor, int, int]:
+        """The scales of the blocks `w`'s part touches, and where the part starts in its first
+        row and column block."""
+        name = w.name + "_scale_inv"
+        if name not in r.file_of:
+            raise ValueError(f"{w.name} is FP8 but the checkpoint has no {name}")
+        rows, cols = r.slice(w.name).get_shape()
+        b0, b1 = self.block
+        sl = r.slice(name)
+        expected = (-(-rows // b0), -(-cols // b1))
+        if tuple(sl.get_shape()) != expected:
+            raise ValueError(
+                f"{name} has shape {tuple(sl.get_shape())}, but {w.name} {(rows, cols)} in blocks of "
+                f"{list(self.block)} (weight_block_size) needs {expected}"
+            )
+        (row0, col0), (n, m) = w.origin(), w.dest.shape[-2:]
+        return sl[row0 // b0 : -(-(row0 + n) // b0), col0 // b1 : -(-(col0 + m) // b1)], row0 % b0, col0 % b1
+
+    def load(self, w: Weight, part: torch.Tensor, r: CheckpointReader) -> torch.Tensor:
+        """The part as its destination takes it: widened, or as it is with its scales kept for `finish`."""
+        if w.transform is not None or w.pad or part.dim() != 2:
+            raise ValueError(f"{w.name}: an FP8 tensor read with a transform, padding or {part.dim()} dims")
+        scale, r0, c0 = self.scales(w, r)
+        b0, b1 = self.block
+        rows = (r0 + torch.arange(part.shape[0])) // b0
+        cols = (c0 + torch.arange(part.shape[1])) // b1
+        if w.dest.dtype != FP8:
+            return dequantize(part, scale, rows, cols, w.dest.dtype)
+        q = self._target(w)
+        offset = w.dest.storage_offset() - q.storage_offset()
+        per_expert = q.shape[-2] * q.shape[-1]
+        expert, row = divmod(offset, per_expert)
+        if row % q.shape[-1] or w.dest.shape[-1] != q.shape[-1]:
+            raise ValueError(f"{w.name}: a quantized weight is filled by whole rows")
+        key = q.untyped_storage().data_ptr()
+        self.parts.setdefault(key, []).append((expert, row // q.shape[-1], part.shape[0], r0, c0, scale))
+        return part
+
+    def _target(self, w: Weight) -> torch.Tensor:
+        found = self.targets.get(w.dest.untyped_storage().data_ptr())
+        if found is None:
+            raise ValueError(f"{w.name}: FP8 destination of no quantized layer")
+        module, name = found
+        return getattr(module, name)
+
+    def finish(self) -> None:
+        """Each quantized weight's scale table ([experts, ] blocks touched, in row order) and its
+        rows' and columns' blocks in it; every expert's parts lie alike."""
+        b0, b1 = self.block
+        for key, (module, name) in self.targets.items():
+            q = getattr(module, name)
+            parts = self.parts.get(key, [])
+            experts = q.shape[0] if q.dim() == 3 else 1
+            by_expert = [sorted((p for p in parts if p[0] == e), key=lambda p: p[1]) for e in range(experts)]
+            layout = [(row, n, r0, c0, tuple(s.shape)) for _, row, n, r0, c0, s in by_expert[0]]
+            sizes = [n for _, n, *_ in layout]
+            if [row for row, *_ in layout] != [sum(sizes[:i]) for i in range(len(sizes))] or sum(
+                sizes
+            ) != q.shape[-2]:
+                raise ValueError(
+                    f"{type(module).__name__}.{name}: its rows were not all read from FP8 tensors"
+                )
+            if any(
+                [(row, n, r0, c0, tuple(s.shape)) for _, row, n, r0, c0, s in e] != layout for e in by_expert
+            ):
+                raise ValueError(f"{type(module).__name__}.{name}: experts' parts differ in their blocks")
+            if len({(c0, shape[1]) for *_, c0, shape in layout}) != 1:
+                raise ValueError(f"{type(module).__name__}.{name}: parts start in different column blocks")
+            row_block, base = [], 0
+            for _, n, r0, _, shape in layout:
+                row_block += [base + (r0 + k) // b0 for k in range(n)]
+                base += shape[0]
+            c0 = layout[0][3]
+            tables = [torch.cat([s for *_, s in e]) for e in by_expert]
+            device = q.device
+            scale = torch.stack(tables) if q.dim() == 3 else tables[0]
+            getattr(module, f"{name}_scale").data = scale.to(device)
+            setattr(module, f"{name}_row_block", torch.tensor(row_block, device=device))
+            setattr(module, f"{name}_col_block", (c0 + torch.arange(q.shape[-1], device=device)) // b1)
+
+
 def load_bytes(weights: list[Weight]) -> int:
     """Bytes a rank's entries fill (what it reads, at its parameters' dtype): works on the meta device."""
     return sum(w.dest.numel() * w.dest.element_size() for w in weights)
 
 
 @torch.no_grad()
-def load_weights(weights: list[Weight], model_dir: str | Path, show_progress: bool) -> None:
+def load_weights(
+    weights: list[Weight], model_dir: str | Path, show_progress: bool, fp8: BlockScales | None = None
+) -> None:
     """Reads every entry's part of the checkpoint into its destination (cast to its dtype), file by
-    file in on-disk order. On a GPU each part is staged in pinned memory and copied without
-    blocking, the host reading the next part meanwhile; one synchronisation per file releases the
-    staging buffers."""
+    file in on-disk order; FP8 tensors through `fp8` (their scales). On a GPU each part is staged in
+    pinned memory and copied without blocking, the host reading the next part meanwhile; one
+    synchronisation per file releases the staging buffers."""
     reader = CheckpointReader(model_dir)
     try:
         files = read_order(weights, reader)
@@ -197,6 +305,13 @@ def load_weights(weights: list[Weight], model_dir: str | Path, show_progress: bo
                 staged = []
                 for w in group:
                     part = w.read(reader)
+                    if part.dtype == FP8 or w.dest.dtype == FP8:
+                        if fp8 is None or part.dtype != FP8:
+                            raise ValueError(
+                                f"{w.name} is {part.dtype} in the checkpoint, but the model reads it as "
+                                f"{w.dest.dtype}: its quantization_config does not say how it is stored"
+                            )
+                        part = fp8.load(w, part, reader)
                     if w.dest.is_cuda:
                         part = part.pin_memory()
                         staged.append(part)  # alive until its copy has run
@@ -204,5 +319,7 @@ def load_weights(weights: list[Weight], model_dir: str | Path, show_progress: bo
                     bar.update()
                 if staged:
                     torch.cuda.synchronize()
+        if fp8 is not None:
+            fp8.finish()
     finally:
         reader.close()

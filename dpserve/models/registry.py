@@ -7,6 +7,7 @@ from dpserve.attention.sdpa import SdpaBackend
 from dpserve.config import EngineConfig
 from dpserve.distributed import Groups
 from dpserve.layers.dp_comm import DPComm
+from dpserve.layers.quant import quantized_weights
 from dpserve.models.base import CausalLM, DecoderLayer
 from dpserve.models.config import ModelConfig
 from dpserve.models.deepseek import build_deepseek_layers
@@ -25,10 +26,11 @@ def build_model(
     mtp = options.speculative_algorithm == "NEXTN"
     if mtp:
         cfg.check_mtp()
-    if cfg.is_mla:
-        pairs = build_deepseek_layers(cfg, groups, backend, options)
-    else:
-        pairs = build_gqa_layers(cfg, groups, backend, options)
-    layers = [DecoderLayer(cfg, attn, mlp, comm) for attn, mlp in pairs]
-    mtp_layer = MTPLayer(cfg, layers.pop()) if mtp else None
-    return CausalLM(cfg, groups, comm, layers, backend, mtp_layer, options.enable_dp_lm_head)
+    with quantized_weights(cfg.quant):  # linear and expert weights kept as the checkpoint stores them
+        if cfg.is_mla:
+            pairs = build_deepseek_layers(cfg, groups, backend, options)
+        else:
+            pairs = build_gqa_layers(cfg, groups, backend, options)
+        layers = [DecoderLayer(cfg, attn, mlp, comm) for attn, mlp in pairs]
+        mtp_layer = MTPLayer(cfg, layers.pop()) if mtp else None
+        return CausalLM(cfg, groups, comm, layers, backend, mtp_layer, options.enable_dp_lm_head)

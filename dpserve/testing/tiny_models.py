@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -511,7 +512,6 @@ def quantize_experts_mxfp4(model_dir: str | Path, seed: int = 0) -> None:
 def dequantized_copy(model_dir: str | Path, out_dir: str | Path) -> Path:
     """A float32 copy of an MXFP4 gpt-oss checkpoint, dequantized by transformers' own function
     (the reference an engine reading the MXFP4 files must match)."""
-    import shutil
 
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
@@ -525,6 +525,84 @@ def dequantized_copy(model_dir: str | Path, out_dir: str | Path) -> Path:
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((out / "config.json").read_text())
     config.pop("quantization_config")
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return out
+
+
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+
+
+def is_quantized_linear(name: str, tensor: torch.Tensor) -> bool:
+    """Whether DeepSeek's FP8 checkpoints store this tensor quantized: every linear weight (attention,
+    MLPs, experts, the MTP layer's projection) but the embeddings, the LM head, norms and routers."""
+    keep = ("embed_tokens", "lm_head", "norm", "mlp.gate.weight", "weights_proj", "shared_head")
+    return tensor.dim() == 2 and name.endswith(".weight") and not any(k in name for k in keep)
+
+
+def quantize_fp8(model_dir: str | Path, out_dir: str | Path, block: tuple[int, int]) -> Path:
+    """A copy of a checkpoint in DeepSeek-V3's block-FP8 format: each linear weight as float8_e4m3fn
+    with a float32 `weight_scale_inv` per block of `block` (rows, columns; edge blocks ragged), the
+    block's largest magnitude mapped to 448, and `quantization_config` saying so."""
+    src, out = Path(model_dir), Path(out_dir)
+    shutil.copytree(src, out)
+    b0, b1 = block
+    added: dict[str, str] = {}  # scale tensor -> its shard
+    for path in out.glob("*.safetensors"):
+        tensors = load_file(str(path))
+        for name in [n for n, t in tensors.items() if is_quantized_linear(n, t)]:
+            w = tensors.pop(name).float()
+            rows, cols = w.shape
+            scale = torch.empty(-(-rows // b0), -(-cols // b1))
+            q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+            for i in range(scale.shape[0]):
+                for j in range(scale.shape[1]):
+                    tile = w[i * b0 : (i + 1) * b0, j * b1 : (j + 1) * b1]
+                    scale[i, j] = tile.abs().amax().clamp(min=1e-12) / FP8_MAX
+                    q[i * b0 : (i + 1) * b0, j * b1 : (j + 1) * b1] = (tile / scale[i, j]).to(
+                        torch.float8_e4m3fn
+                    )
+            tensors[name], tensors[name + "_scale_inv"] = q, scale
+            added[name + "_scale_inv"] = path.name
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    index = out / "model.safetensors.index.json"
+    if index.exists():
+        data = json.loads(index.read_text())
+        data["weight_map"] |= added
+        index.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": list(block),
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return out
+
+
+def dequantized_fp8_copy(model_dir: str | Path, out_dir: str | Path) -> Path:
+    """A float32 copy of a block-FP8 checkpoint, dequantized by DeepSeek's rule W[i, j] = q[i, j] *
+    s[i // B0, j // B1] (each scale repeated over its block, ragged edges cut): the reference an
+    engine reading the FP8 files must match (transformers derives the block from the scales' grid,
+    which misreads ragged blocks)."""
+    src, out = Path(model_dir), Path(out_dir)
+    shutil.copytree(src, out)
+    config = json.loads((out / "config.json").read_text())
+    b0, b1 = config.pop("quantization_config")["weight_block_size"]
+    for path in out.glob("*.safetensors"):
+        tensors = load_file(str(path))
+        for name in [n for n in tensors if n.endswith("_scale_inv")]:
+            scale, weight = tensors.pop(name), name.removesuffix("_scale_inv")
+            q = tensors[weight]
+            rows, cols = q.shape
+            grid = scale.repeat_interleave(b0, 0)[:rows].repeat_interleave(b1, 1)[:, :cols]
+            tensors[weight] = q.float() * grid
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    index = out / "model.safetensors.index.json"
+    if index.exists():
+        data = json.loads(index.read_text())
+        data["weight_map"] = {n: f for n, f in data["weight_map"].items() if not n.endswith("_scale_inv")}
+        index.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return out
 

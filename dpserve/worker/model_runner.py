@@ -22,7 +22,7 @@ from dpserve.memory import agree_min, kv_budget_bytes, param_bytes, pool_token_b
 from dpserve.models.base import CausalLM
 from dpserve.models.batch import ForwardBatch
 from dpserve.models.config import ModelConfig
-from dpserve.models.loader import load_weights
+from dpserve.models.loader import BlockScales, load_weights
 from dpserve.models.registry import build_model
 from dpserve.scheduler.scheduler import largest_step
 from dpserve.step.padding import PaddingPolicy
@@ -44,7 +44,8 @@ def load_model(cfg: EngineConfig, model_cfg: ModelConfig, groups: Groups, device
             model = build_model(model_cfg, groups, cfg, backend)
     finally:
         torch.set_default_dtype(previous)
-    load_weights(model.weights(), cfg.model_path, show_progress=groups.topo.rank == 0)
+    fp8 = BlockScales(model_cfg.quant.block, model) if model_cfg.quant else None
+    load_weights(model.weights(), cfg.model_path, show_progress=groups.topo.rank == 0, fp8=fp8)
     return model
 
 

@@ -1,0 +1,110 @@
+"""Block-quantized FP8 weights kept 8-bit in memory (DeepSeek-V3's format: `quant_method: fp8`,
+`weight_block_size: [B0, B1]`): an FP8 (e4m3) tensor `q` and float32 scales, one per B0 x B1 block,
+W[i, j] = q[i, j] * s[i // B0, j // B1], edge blocks ragged.
+
+A rank's part of a tensor need not start on a block boundary (tp splits of any size), and a fused
+parameter (gate | up, q | k | v, every expert's w13) holds several parts: so a weight's scales are a
+table of the blocks its parts touch, with each row's and column's block in it (`row_block`,
+`col_block`): W[..., i, j] = q[..., i, j] * scale[..., row_block[i], col_block[j]]. The index
+tables cost 4 bytes per row and column; the scales 4 bytes per block.
+
+Which layers are built quantized is the model's build context (`quantized_weights`), as the
+default dtype is: Linear and the MoE experts read it; a layer whose weight is read as a tensor
+(MLA's absorbed kv_b_proj) stays in the model's dtype and is widened once at load.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+FP8 = torch.float8_e4m3fn
+ROWS_PER_CHUNK = 256  # output rows widened at once on the CPU: a bounded scratch, never the whole weight
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """How a checkpoint's linear weights are stored: block FP8 with blocks of `block` (rows, columns)."""
+
+    method: str  # fp8
+    block: tuple[int, int]
+
+
+_BUILDING: list[QuantSpec | None] = [None]
+
+
+@contextlib.contextmanager
+def quantized_weights(spec: QuantSpec | None) -> Iterator[None]:
+    """Layers built inside keep their weights as `spec` stores them (None: the model's dtype)."""
+    _BUILDING.append(spec)
+    try:
+        yield
+    finally:
+        _BUILDING.pop()
+
+
+def building_spec() -> QuantSpec | None:
+    return _BUILDING[-1]
+
+
+def block_tables(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[torch.Tensor, ...]:
+    """A quantized weight's scale table and its row and column block indices for `shape` ([..., rows,
+    cols]) as if its parts started on block boundaries (the loader redraws them for the parts it
+    reads): what the planner counts."""
+    *lead, rows, cols = shape
+    b0, b1 = block
+    scale = torch.empty(*lead, math.ceil(rows / b0), math.ceil(cols / b1), dtype=torch.float32)
+    row_block = torch.arange(rows, dtype=torch.long) // b0
+    col_block = torch.arange(cols, dtype=torch.long) // b1
+    return scale, row_block, col_block
+
+
+def dequantize(
+    q: torch.Tensor, scale: torch.Tensor, row_block: torch.Tensor, col_block: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """q [rows, cols] (FP8) times its blocks' scales ([R, C], each row's and column's block) in
+    float32, then cast to `dtype`: the values transformers computes from the dequantized checkpoint."""
+    return (q.float() * scale[row_block[:, None], col_block[None, :]]).to(dtype)
+
+
+@dataclass(frozen=True)
+class BlockFP8:
+    """One quantized weight ([rows, cols], or [experts, rows, cols] with `scale` [experts, R, C]);
+    indexing takes one expert's."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    row_block: torch.Tensor
+    col_block: torch.Tensor
+
+    def __len__(self) -> int:
+        return len(self.q)
+
+    def __getitem__(self, e: int) -> BlockFP8:
+        return BlockFP8(self.q[e], self.scale[e], self.row_block, self.col_block)
+
+
+def fp8_linear(x: torch.Tensor, w: BlockFP8, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W.T + bias for a block-FP8 W, widening ROWS_PER_CHUNK output rows at a time to x's dtype."""
+    rows = w.q.shape[0]
+    out = x.new_empty(*x.shape[:-1], rows)
+    for lo in range(0, rows, ROWS_PER_CHUNK):
+        hi = min(lo + ROWS_PER_CHUNK, rows)
+        part = dequantize(w.q[lo:hi], w.scale, w.row_block[lo:hi], w.col_block, x.dtype)
+        out[..., lo:hi] = F.linear(x, part, None if bias is None else bias[lo:hi])
+    return out
+
+
+def quantized_weights_of(module: torch.nn.Module) -> list[str]:
+    """The names of `module`'s own block-FP8 weights: each `X` has `X_scale`, `X_row_block` and
+    `X_col_block` beside it (Linear's `weight`, the MoE's `w13` and `w2`)."""
+    return [
+        name
+        for name in ("weight", "w13", "w2")
+        if getattr(module, name, None) is not None and getattr(module, f"{name}_scale", None) is not None
+    ]
