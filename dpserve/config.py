@@ -66,6 +66,15 @@ class EngineConfig:
         "(about a second, once per machine, cached) beats float32; else float32",
         choices=("auto", *DTYPES),
     )
+    quantization: str | None = option(
+        None,
+        "how the linear and expert weights are kept (SGLang's names). fp8: block FP8 (128 x 128 blocks, "
+        "float32 scales, DeepSeek-V3's format), as a block-FP8 checkpoint states it in its "
+        "quantization_config, or quantized at load from an unquantized checkpoint; w8a8_int8 (int8 "
+        "weights per channel, int8 activations per token) is refused: not built yet. Unset: as the "
+        "checkpoint stores them",
+        choices=("fp8", "w8a8_int8"),
+    )
     device: str = option("auto", "auto: cuda if available, else cpu", choices=("auto", "cpu", "cuda"))
     attention_backend: str = option(
         "auto",

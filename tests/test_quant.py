@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from dpserve.layers.quant import BlockFP8, fp8_linear
 from dpserve.models.config import ModelConfig
 from dpserve.testing.reference import hf_greedy_reference
-from dpserve.testing.tiny_models import dequantized_fp8_copy, quantize_fp8
+from dpserve.testing.tiny_models import UNQUANTIZED, dequantized_fp8_copy, quantize_fp8
 
 # Ragged on purpose: 24-row and 40-column blocks leave partial edge blocks on every tiny tensor, and
 # tp 2 splits (16 expert rows, 32 o_proj columns per rank) start inside a block.
@@ -23,14 +23,35 @@ BLOCK = (24, 40)
 
 
 @pytest.fixture(scope="module")
-def fp8_model(model_dirs, tmp_path_factory) -> str:
-    return str(quantize_fp8(model_dirs["deepseek_v3"], tmp_path_factory.mktemp("fp8") / "v3", BLOCK))
+def fp8_models(model_dirs, tmp_path_factory) -> dict[str, str]:
+    """Each family's tiny checkpoint in block FP8, written when first asked for."""
+    root = tmp_path_factory.mktemp("fp8")
+
+    class Models(dict):
+        def __missing__(self, arch: str) -> str:
+            self[arch] = str(quantize_fp8(model_dirs[arch], root / arch, BLOCK))
+            return self[arch]
+
+    return Models()
 
 
 @pytest.fixture(scope="module")
-def fp8_references(fp8_model, prompts, tmp_path_factory):
-    reference = dequantized_fp8_copy(fp8_model, tmp_path_factory.mktemp("fp8_dequantized") / "v3")
-    return hf_greedy_reference(reference, prompts, NEW_TOKENS)
+def fp8_model(fp8_models) -> str:
+    return fp8_models["deepseek_v3"]
+
+
+@pytest.fixture(scope="module")
+def fp8_references(fp8_models, prompts, tmp_path_factory):
+    """transformers' greedy outputs on each FP8 checkpoint dequantized by DeepSeek's rule."""
+    root = tmp_path_factory.mktemp("fp8_dequantized")
+
+    class References(dict):
+        def __missing__(self, arch: str):
+            reference = dequantized_fp8_copy(fp8_models[arch], root / arch)
+            self[arch] = hf_greedy_reference(reference, prompts, NEW_TOKENS)
+            return self[arch]
+
+    return References()
 
 
 def test_a_weight_part_starting_inside_a_block_takes_that_blocks_scales():
@@ -52,15 +73,36 @@ def test_a_weight_part_starting_inside_a_block_takes_that_blocks_scales():
     torch.testing.assert_close(fp8_linear(x, part), x @ full[rows, cols].T, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("tp,dp", [(1, 1), (2, 2)])
+# Families that ship block FP8, over the layouts: MLA (V3, V3.2's indexer, Kimi's V3 code), GQA with
+# fused q|k|v (Qwen3-MoE, Qwen3 dense over two attention-TP ranks), whole experts under expert
+# parallelism with all_to_all dispatch, GLM-4.5's MTP layer drafting for NEXTN.
+CASES = [
+    ("deepseek_v3", 1, 1, {}),
+    ("deepseek_v3", 2, 2, {}),
+    ("deepseek_v3", 4, 4, {"ep_size": 4, "moe_a2a_backend": "all_to_all"}),
+    ("deepseek_v32", 2, 2, {}),
+    ("qwen3_moe", 4, 2, {}),
+    ("qwen3", 2, 1, {}),
+    ("glm4_moe_mtp", 2, 2, {"speculative_algorithm": "NEXTN", "speculative_num_steps": 2}),
+]
+
+
+@pytest.mark.parametrize("arch,tp,dp,options", CASES)
 def test_fp8_checkpoint_matches_transformers_on_its_dequantized_copy(
-    engine_cache, fp8_model, fp8_references, prompts, tp, dp
+    engine_cache, fp8_models, fp8_references, prompts, arch, tp, dp, options
 ):
     engine = engine_cache.get(
-        fp8_model, tp_size=tp, dp_size=dp, enable_dp_attention=dp > 1, kv_cache_memory_gb=0.002
+        fp8_models[arch],
+        tp_size=tp,
+        dp_size=dp,
+        enable_dp_attention=dp > 1,
+        kv_cache_memory_gb=0.002,
+        **options,
     )
     outputs = engine.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True)
-    assert_matches_reference(outputs, fp8_references)
+    assert_matches_reference(outputs, fp8_references[arch])
+    if options.get("speculative_algorithm"):
+        assert all(o["meta_info"]["spec_verify_ct"] > 0 for o in outputs)
 
 
 def test_fp8_weights_stay_8_bit(engine_cache, fp8_model, model_dirs):
@@ -109,3 +151,45 @@ def test_unserved_and_malformed_quantization_is_refused_by_name(fp8_model, tmp_p
         match=r"weight_scale_inv has shape \(2, 1\), but .* \(64, 32\) in blocks of \[24, 40\] .* needs \(3, 1\)",
     ):
         Engine(model_path=str(bad), device="cpu", dtype="float32", kv_cache_memory_gb=0.002)
+
+
+def test_quantization_fp8_quantizes_an_unquantized_checkpoint_at_load(
+    engine_cache, model_dirs, tmp_path, prompts
+):
+    """--quantization fp8 on the float32 tiny DeepSeek-V3 keeps the same FP8 weights and scales as the
+    checkpoint quantized offline in DeepSeek-V3's 128 x 128 blocks (kv_b_proj aside: read as a tensor,
+    it stays in the model's dtype): the same tokens and logprobs."""
+    keep = (*UNQUANTIZED, "kv_b_proj")
+    offline = str(quantize_fp8(model_dirs["deepseek_v3"], tmp_path / "v3", (128, 128), keep))
+    outputs = []
+    for path, options in ((offline, {}), (model_dirs["deepseek_v3"], {"quantization": "fp8"})):
+        engine = engine_cache.get(path, kv_cache_memory_gb=0.002, **options)
+        outputs.append(engine.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True))
+    assert [o["output_ids"] for o in outputs[0]] == [o["output_ids"] for o in outputs[1]]
+    assert [o["meta_info"]["output_token_logprobs"] for o in outputs[0]] == [
+        o["meta_info"]["output_token_logprobs"] for o in outputs[1]
+    ]
+    info = engine_cache.info(model_dirs["deepseek_v3"], kv_cache_memory_gb=0.002, quantization="fp8")
+    assert (
+        info["dp_ranks"][0]["weight_bytes"]
+        == engine_cache.info(offline, kv_cache_memory_gb=0.002)["dp_ranks"][0]["weight_bytes"]
+    )
+
+
+def test_quantization_flag_refuses_what_it_cannot_serve(model_dirs, fp8_model, tmp_path):
+    import shutil
+
+    from dpserve.testing.tiny_models import quantize_experts_mxfp4
+
+    mxfp4 = tmp_path / "gpt_oss"
+    shutil.copytree(model_dirs["gpt_oss"], mxfp4)
+    quantize_experts_mxfp4(mxfp4)
+    with pytest.raises(
+        ValueError, match="--quantization fp8, but its quantization_config says quant_method='mxfp4'"
+    ):
+        ModelConfig.load(str(mxfp4), "fp8")
+    with pytest.raises(ValueError, match="--quantization w8a8_int8 is not built yet"):
+        ModelConfig.load(model_dirs["deepseek_v3"], "w8a8_int8")
+    assert ModelConfig.load(fp8_model, "fp8").quant.block == BLOCK  # the checkpoint's own blocks
+    assert ModelConfig.load(model_dirs["deepseek_v3"]).quant is None
+    assert ModelConfig.load(model_dirs["deepseek_v3"], "fp8").quant.block == (128, 128)

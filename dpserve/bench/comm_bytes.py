@@ -26,7 +26,7 @@ def rows(path: str) -> list[str]:
     with open(path) as f:
         r = json.loads(f.readline())
     cfg = EngineConfig(**engine_kwargs(argparse.Namespace(**r["args"])))
-    model = meta_model(ModelConfig.load(cfg.model_path), cfg)
+    model = meta_model(ModelConfig.load(cfg.model_path, cfg.quantization), cfg)
     kinds: dict[tuple, list] = {}
     for s in r["steps"]:
         step = SimpleNamespace(**{**s, "tokens": tuple(s["tokens"]), "logit_rows": tuple(s["logit_rows"])})

@@ -48,7 +48,7 @@ class RequestState:
 
 def load_model_config(cfg: EngineConfig) -> ModelConfig:
     """Reads and checks the model config against the layout, before any process starts."""
-    model_cfg = ModelConfig.load(cfg.model_path)
+    model_cfg = ModelConfig.load(cfg.model_path, cfg.quantization)
     CheckpointReader(cfg.model_path)  # its weights are there (an error names the folder)
     model_cfg.validate(cfg)
     if cfg.speculative_algorithm == "NEXTN":

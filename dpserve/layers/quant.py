@@ -64,6 +64,21 @@ def block_tables(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[torch.
     return scale, row_block, col_block
 
 
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+
+
+def quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [rows, cols] in block FP8 (--quantization fp8): each block's largest magnitude mapped to
+    448, edge blocks ragged. Returns (q, scales), W ~ q * scale of its block."""
+    rows, cols = w.shape
+    b0, b1 = block
+    r, c = math.ceil(rows / b0), math.ceil(cols / b1)
+    padded = F.pad(w.float(), (0, c * b1 - cols, 0, r * b0 - rows)).view(r, b0, c, b1)
+    scale = padded.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX
+    q = (padded / scale[:, None, :, None]).view(r * b0, c * b1)[:rows, :cols].to(FP8)
+    return q, scale
+
+
 def dequantize(
     q: torch.Tensor, scale: torch.Tensor, row_block: torch.Tensor, col_block: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:

@@ -44,7 +44,9 @@ class ModelConfig:
         return self.declaration.attention == "mla"
 
     @classmethod
-    def load(cls, model_path: str) -> ModelConfig:
+    def load(cls, model_path: str, quantization: str | None = None) -> ModelConfig:
+        """The checkpoint's config; `quantization` (--quantization) names how its weights are kept
+        when its quantization_config does not."""
         check_model_dir(model_path)
         hf, family = read_hf_config(model_path)
         arch = (hf.architectures or ["?"])[0]
@@ -66,7 +68,7 @@ class ModelConfig:
             num_mtp_layers=getattr(hf, "num_nextn_predict_layers", None) or 0,
             family=family,
             moe=FAMILIES[family].moe(hf),
-            quant=read_quantization(model_path, hf, family),
+            quant=read_quantization(model_path, hf, family, quantization),
         )
 
     def validate(self, cfg: EngineConfig) -> None:
@@ -180,19 +182,31 @@ class ModelConfig:
 
 SERVED_QUANTIZATION = (
     "dpserve serves unquantized checkpoints (float32, float16, bfloat16 safetensors), block-FP8 ones "
-    "(quant_method fp8 with weight_block_size, DeepSeek-V3's format: kept 8-bit), GGUF files and gpt-oss's "
-    "MXFP4 experts (dequantized at load)"
+    "(quant_method fp8 with weight_block_size, DeepSeek-V3's format: kept 8-bit; --quantization fp8 "
+    "quantizes an unquantized one so at load), GGUF files and gpt-oss's MXFP4 experts (dequantized at load)"
 )
 
 
-def read_quantization(model_path: str, hf: PretrainedConfig, family: str) -> QuantSpec | None:
-    """The checkpoint's quantization_config as dpserve serves it; ValueError naming what it is
-    otherwise (loading quantized tensors without their scales would serve garbage without an error)."""
+ONLINE_FP8_BLOCK = (128, 128)  # --quantization fp8 on an unquantized checkpoint: DeepSeek-V3's blocks
+
+
+def read_quantization(
+    model_path: str, hf: PretrainedConfig, family: str, requested: str | None = None
+) -> QuantSpec | None:
+    """The checkpoint's quantization_config (or `requested`, --quantization) as dpserve serves it;
+    ValueError naming what it is otherwise (loading quantized tensors without their scales would
+    serve garbage without an error)."""
+    if requested == "w8a8_int8":
+        raise ValueError(f"--quantization w8a8_int8 is not built yet; {SERVED_QUANTIZATION}")
     quant = getattr(hf, "quantization_config", None)
     if not quant:
-        return None
+        return QuantSpec("fp8", ONLINE_FP8_BLOCK) if requested == "fp8" else None
     quant = quant if isinstance(quant, dict) else quant.to_dict()
     method = quant.get("quant_method", "?")
+    if requested is not None and requested != method:
+        raise ValueError(
+            f"{model_path}: --quantization {requested}, but its quantization_config says quant_method={method!r}"
+        )
     if method in FAMILIES[family].quantizations:
         return None  # dequantized by the family's own loading (gpt-oss's MXFP4 experts)
     if method != "fp8":

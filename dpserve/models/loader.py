@@ -28,7 +28,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from dpserve.layers.quant import FP8, dequantize, quantized_weights_of
+from dpserve.layers.quant import FP8, dequantize, quantize, quantized_weights_of
 
 
 @dataclass(frozen=True)
@@ -220,10 +220,15 @@ class BlockScales:
         return sl[row0 // b0 : -(-(row0 + n) // b0), col0 // b1 : -(-(col0 + m) // b1)], row0 % b0, col0 % b1
 
     def load(self, w: Weight, part: torch.Tensor, r: CheckpointReader) -> torch.Tensor:
-        """The part as its destination takes it: widened, or as it is with its scales kept for `finish`."""
+        """The part as its destination takes it: widened, or as it is with its scales kept for
+        `finish`; an unquantized part for an FP8 destination quantized here (--quantization fp8),
+        in blocks from its own first row and column."""
         if w.transform is not None or w.pad or part.dim() != 2:
             raise ValueError(f"{w.name}: an FP8 tensor read with a transform, padding or {part.dim()} dims")
-        scale, r0, c0 = self.scales(w, r)
+        if part.dtype == FP8:
+            scale, r0, c0 = self.scales(w, r)
+        else:
+            (part, scale), r0, c0 = quantize(part, self.block), 0, 0
         b0, b1 = self.block
         rows = (r0 + torch.arange(part.shape[0])) // b0
         cols = (c0 + torch.arange(part.shape[1])) // b1
@@ -306,7 +311,7 @@ def load_weights(
                 for w in group:
                     part = w.read(reader)
                     if part.dtype == FP8 or w.dest.dtype == FP8:
-                        if fp8 is None or part.dtype != FP8:
+                        if fp8 is None:
                             raise ValueError(
                                 f"{w.name} is {part.dtype} in the checkpoint, but the model reads it as "
                                 f"{w.dest.dtype}: its quantization_config does not say how it is stored"

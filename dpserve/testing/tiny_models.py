@@ -532,24 +532,29 @@ def dequantized_copy(model_dir: str | Path, out_dir: str | Path) -> Path:
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 
 
-def is_quantized_linear(name: str, tensor: torch.Tensor) -> bool:
+UNQUANTIZED = ("embed_tokens", "lm_head", "norm", "mlp.gate.weight", "weights_proj", "shared_head")
+
+
+def is_quantized_linear(name: str, tensor: torch.Tensor, keep: tuple[str, ...] = UNQUANTIZED) -> bool:
     """Whether DeepSeek's FP8 checkpoints store this tensor quantized: every linear weight (attention,
-    MLPs, experts, the MTP layer's projection) but the embeddings, the LM head, norms and routers."""
-    keep = ("embed_tokens", "lm_head", "norm", "mlp.gate.weight", "weights_proj", "shared_head")
+    MLPs, experts, the MTP layer's projection) but the embeddings, the LM head, norms and routers
+    (`keep`: the names kept unquantized)."""
     return tensor.dim() == 2 and name.endswith(".weight") and not any(k in name for k in keep)
 
 
-def quantize_fp8(model_dir: str | Path, out_dir: str | Path, block: tuple[int, int]) -> Path:
-    """A copy of a checkpoint in DeepSeek-V3's block-FP8 format: each linear weight as float8_e4m3fn
-    with a float32 `weight_scale_inv` per block of `block` (rows, columns; edge blocks ragged), the
-    block's largest magnitude mapped to 448, and `quantization_config` saying so."""
+def quantize_fp8(
+    model_dir: str | Path, out_dir: str | Path, block: tuple[int, int], keep: tuple[str, ...] = UNQUANTIZED
+) -> Path:
+    """A copy of a checkpoint in DeepSeek-V3's block-FP8 format: each linear weight (but `keep`) as
+    float8_e4m3fn with a float32 `weight_scale_inv` per block of `block` (rows, columns; edge blocks
+    ragged), the block's largest magnitude mapped to 448, and `quantization_config` saying so."""
     src, out = Path(model_dir), Path(out_dir)
     shutil.copytree(src, out)
     b0, b1 = block
     added: dict[str, str] = {}  # scale tensor -> its shard
     for path in out.glob("*.safetensors"):
         tensors = load_file(str(path))
-        for name in [n for n, t in tensors.items() if is_quantized_linear(n, t)]:
+        for name in [n for n, t in tensors.items() if is_quantized_linear(n, t, keep)]:
             w = tensors.pop(name).float()
             rows, cols = w.shape
             scale = torch.empty(-(-rows // b0), -(-cols // b1))

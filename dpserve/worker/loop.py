@@ -209,7 +209,7 @@ class Worker:
         instance, topo = cfg.rank_topology(rank)
         self.heartbeat = heartbeat
         self.dp_rank = rank // cfg.attn_tp_size  # global DP rank: a group of DP attention or a replica
-        model_cfg = ModelConfig.load(cfg.model_path)
+        model_cfg = ModelConfig.load(cfg.model_path, cfg.quantization)
         model_cfg.validate(cfg)
         self.groups: Groups = init_groups(topo, cfg.device, addrs.dist_init[instance], cfg.dist_timeout)
         device = torch.device("cpu")
