@@ -158,7 +158,7 @@ def test_quantization_fp8_quantizes_an_unquantized_checkpoint_at_load(
 ):
     """--quantization fp8 on the float32 tiny DeepSeek-V3 keeps the same FP8 weights and scales as the
     checkpoint quantized offline in DeepSeek-V3's 128 x 128 blocks (kv_b_proj aside: read as a tensor,
-    it stays in the model's dtype): the same tokens and logprobs."""
+    it stays in the model's dtype): the same tokens and weight bytes, logprobs within 1e-5."""
     keep = (*UNQUANTIZED, "kv_b_proj")
     offline = str(quantize_fp8(model_dirs["deepseek_v3"], tmp_path / "v3", (128, 128), keep))
     outputs = []
@@ -166,9 +166,11 @@ def test_quantization_fp8_quantizes_an_unquantized_checkpoint_at_load(
         engine = engine_cache.get(path, kv_cache_memory_gb=0.002, **options)
         outputs.append(engine.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True))
     assert [o["output_ids"] for o in outputs[0]] == [o["output_ids"] for o in outputs[1]]
-    assert [o["meta_info"]["output_token_logprobs"] for o in outputs[0]] == [
-        o["meta_info"]["output_token_logprobs"] for o in outputs[1]
-    ]
+    for offline_out, online_out in zip(*outputs, strict=True):
+        pairs = zip(
+            *(o["meta_info"]["output_token_logprobs"] for o in (offline_out, online_out)), strict=True
+        )
+        assert all(abs(a - b) < 1e-5 for a, b in pairs)
     info = engine_cache.info(model_dirs["deepseek_v3"], kv_cache_memory_gb=0.002, quantization="fp8")
     assert (
         info["dp_ranks"][0]["weight_bytes"]

@@ -194,14 +194,18 @@ def test_dry_run_needs_no_dist_init_addr(model_dirs):
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_quantized_checkpoint_is_refused(model_dirs, tmp_path):
-    """DeepSeek-V3's official FP8 weights carry a quantization_config: refused at start-up, naming it."""
+def test_a_checkpoint_unlike_its_quantization_config_is_refused(model_dirs, tmp_path):
+    """A config that says block FP8 over float32 tensors: refused at load naming the first tensor
+    (quantizing it silently would hide a broken checkpoint; --quantization fp8 is the way to ask)."""
     quantized = tmp_path / "fp8"
     shutil.copytree(model_dirs["deepseek_v3"], quantized)
     config = json.loads((quantized / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
     (quantized / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=re.escape("quant_method='fp8' is not supported")):
+    with pytest.raises(
+        Exception,
+        match=r"\.weight is torch.float32 in the checkpoint, but its quantization_config says block FP8",
+    ):
         Engine(model_path=str(quantized), device="cpu")
 
 

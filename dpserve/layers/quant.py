@@ -29,10 +29,12 @@ ROWS_PER_CHUNK = 256  # output rows widened at once on the CPU: a bounded scratc
 
 @dataclass(frozen=True)
 class QuantSpec:
-    """How a checkpoint's linear weights are stored: block FP8 with blocks of `block` (rows, columns)."""
+    """How a checkpoint's linear weights are kept: block FP8 with blocks of `block` (rows, columns),
+    as stored (its quantization_config) or quantized at load (`online`: --quantization fp8)."""
 
     method: str  # fp8
     block: tuple[int, int]
+    online: bool = False
 
 
 _BUILDING: list[QuantSpec | None] = [None]

@@ -200,7 +200,7 @@ def read_quantization(
         raise ValueError(f"--quantization w8a8_int8 is not built yet; {SERVED_QUANTIZATION}")
     quant = getattr(hf, "quantization_config", None)
     if not quant:
-        return QuantSpec("fp8", ONLINE_FP8_BLOCK) if requested == "fp8" else None
+        return QuantSpec("fp8", ONLINE_FP8_BLOCK, online=True) if requested == "fp8" else None
     quant = quant if isinstance(quant, dict) else quant.to_dict()
     method = quant.get("quant_method", "?")
     if requested is not None and requested != method:

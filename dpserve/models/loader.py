@@ -28,7 +28,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from dpserve.layers.quant import FP8, dequantize, quantize, quantized_weights_of
+from dpserve.layers.quant import FP8, QuantSpec, dequantize, quantize, quantized_weights_of
 
 
 @dataclass(frozen=True)
@@ -191,8 +191,8 @@ class BlockScales:
     collected for a quantized one (`dpserve.layers.quant`) whose scale table and block indices are
     drawn once all its parts are read (`finish`)."""
 
-    def __init__(self, block: tuple[int, int], model: torch.nn.Module):
-        self.block = block
+    def __init__(self, spec: QuantSpec, model: torch.nn.Module):
+        self.block, self.online = spec.block, spec.online
         # Each quantized weight by its storage: (module, name), and the parts read into it.
         self.targets = {
             getattr(m, name).untyped_storage().data_ptr(): (m, name)
@@ -227,8 +227,13 @@ class BlockScales:
             raise ValueError(f"{w.name}: an FP8 tensor read with a transform, padding or {part.dim()} dims")
         if part.dtype == FP8:
             scale, r0, c0 = self.scales(w, r)
-        else:
+        elif self.online:
             (part, scale), r0, c0 = quantize(part, self.block), 0, 0
+        else:
+            raise ValueError(
+                f"{w.name} is {part.dtype} in the checkpoint, but its quantization_config says block FP8: "
+                "the checkpoint does not match its config"
+            )
         b0, b1 = self.block
         rows = (r0 + torch.arange(part.shape[0])) // b0
         cols = (c0 + torch.arange(part.shape[1])) // b1
