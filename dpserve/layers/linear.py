@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpserve.layers.quant import FP8, BlockFP8, block_tables, building_spec, fp8_linear
+from dpserve.layers.quant import add_weight, building_spec, fp8_linear, fp8_weight
 
 
 class Linear(nn.Module):
@@ -12,28 +12,16 @@ class Linear(nn.Module):
         """`packable`: False for a layer whose weight is read as a tensor (MLA's kv_b_proj, absorbed):
         it stays in the model's dtype when the checkpoint is quantized (widened at load)."""
         super().__init__()
-        spec = building_spec() if packable else None
-        shape = (out_features, in_features)
-        self.weight = nn.Parameter(torch.empty(shape, dtype=FP8 if spec else None), requires_grad=False)
-        self.weight_scale = None  # block FP8: the scales; weight_row_block, weight_col_block their index
-        if spec is not None:
-            scale, self.weight_row_block, self.weight_col_block = block_tables(shape, spec.block)
-            self.weight_scale = nn.Parameter(scale, requires_grad=False)
+        add_weight(self, "weight", (out_features, in_features), building_spec() if packable else None)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.packable = packable
         self.packed: torch.Tensor | None = None  # the weight in oneDNN's layout (pack_for_cpu)
 
-    @property
-    def fp8(self) -> BlockFP8 | None:
-        if self.weight_scale is None:
-            return None
-        return BlockFP8(self.weight, self.weight_scale, self.weight_row_block, self.weight_col_block)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)
-        if self.weight_scale is not None:
-            return fp8_linear(x, self.fp8, self.bias)
+        if self.weight_scale is not None:  # block FP8 (`dpserve.layers.quant`)
+            return fp8_linear(x, fp8_weight(self, "weight"), self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def packs(self, dtype: torch.dtype, device_type: str) -> bool:

@@ -16,7 +16,7 @@ from torch.distributed import ProcessGroup
 from dpserve import cpu_ops
 from dpserve.layers.ep_dispatch import dispatch_combine
 from dpserve.layers.linear import Linear, onednn_packs, pack, packed_linear
-from dpserve.layers.quant import FP8, BlockFP8, block_tables, building_spec, fp8_linear
+from dpserve.layers.quant import add_weight, building_spec, fp8_linear, fp8_weight
 from dpserve.memory import moe_chunk_rows
 from dpserve.step.records import StepLayout
 
@@ -130,16 +130,9 @@ class MoE(nn.Module):
             if spec.router_bias
             else None
         )
-        quant = building_spec()
-        dtype = FP8 if quant else None
-        self.w13 = nn.Parameter(torch.empty(n, 2 * intermediate_local, h, dtype=dtype), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(n, h, intermediate_local, dtype=dtype), requires_grad=False)
-        self.w13_scale = self.w2_scale = None  # block FP8: the experts' scales (`dpserve.layers.quant`)
-        if quant is not None:
-            scale13, self.w13_row_block, self.w13_col_block = block_tables(self.w13.shape, quant.block)
-            scale2, self.w2_row_block, self.w2_col_block = block_tables(self.w2.shape, quant.block)
-            self.w13_scale = nn.Parameter(scale13, requires_grad=False)
-            self.w2_scale = nn.Parameter(scale2, requires_grad=False)
+        # Block FP8 under a quantized build (`dpserve.layers.quant`): w13_scale, w2_scale beside them.
+        add_weight(self, "w13", (n, 2 * intermediate_local, h), building_spec())
+        add_weight(self, "w2", (n, h, intermediate_local), building_spec())
         # Expert biases (gpt-oss). Split over WORLD, each rank holds its part of b13 and only rank 0
         # the down projection's bias (zeros elsewhere), so the summed partials add it once.
         self.b13, self.b2 = (
@@ -227,8 +220,7 @@ class MoE(nn.Module):
         if self.packed is not None:
             return experts_loop(x, *self.packed, weights, ids, packed_linear, self.act, self.b13, self.b2)
         if self.w13_scale is not None:
-            w13 = BlockFP8(self.w13, self.w13_scale, self.w13_row_block, self.w13_col_block)
-            w2 = BlockFP8(self.w2, self.w2_scale, self.w2_row_block, self.w2_col_block)
+            w13, w2 = fp8_weight(self, "w13"), fp8_weight(self, "w2")
             return experts_loop(x, w13, w2, weights, ids, fp8_linear, self.act, self.b13, self.b2)
         return experts_loop(x, self.w13, self.w2, weights, ids, F.linear, self.act, self.b13, self.b2)
 

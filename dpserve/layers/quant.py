@@ -117,11 +117,47 @@ def fp8_linear(x: torch.Tensor, w: BlockFP8, bias: torch.Tensor | None = None) -
     return out
 
 
+# A quantized weight `X` of a module has `X_scale` (a Parameter: the planner counts it), `X_row_block`
+# and `X_col_block` beside it: these helpers are the one place that spells the names.
+WEIGHT_NAMES = ("weight", "w13", "w2")  # Linear's, the MoE's experts'
+
+
+def add_weight(module: torch.nn.Module, name: str, shape: tuple[int, ...], spec: QuantSpec | None) -> None:
+    """`module.<name>`: an empty Parameter of `shape`, in block FP8 with its scale table and block
+    indices under `spec`, else in the default dtype (`<name>_scale` None)."""
+    setattr(
+        module, name, torch.nn.Parameter(torch.empty(shape, dtype=FP8 if spec else None), requires_grad=False)
+    )
+    setattr(module, f"{name}_scale", None)
+    if spec is not None:
+        scale, row_block, col_block = block_tables(shape, spec.block)
+        set_tables(module, name, scale, row_block, col_block)
+
+
+def set_tables(
+    module: torch.nn.Module, name: str, scale: torch.Tensor, row_block: torch.Tensor, col_block: torch.Tensor
+) -> None:
+    """Gives `module.<name>` its scale table and block indices (at build, and as the loader draws them)."""
+    setattr(module, f"{name}_scale", torch.nn.Parameter(scale, requires_grad=False))
+    setattr(module, f"{name}_row_block", row_block)
+    setattr(module, f"{name}_col_block", col_block)
+
+
+def fp8_weight(module: torch.nn.Module, name: str) -> BlockFP8 | None:
+    """`module.<name>` with its scales; None when it is not quantized."""
+    scale = getattr(module, f"{name}_scale", None)
+    if scale is None:
+        return None
+    return BlockFP8(
+        getattr(module, name),
+        scale,
+        getattr(module, f"{name}_row_block"),
+        getattr(module, f"{name}_col_block"),
+    )
+
+
 def quantized_weights_of(module: torch.nn.Module) -> list[str]:
-    """The names of `module`'s own block-FP8 weights: each `X` has `X_scale`, `X_row_block` and
-    `X_col_block` beside it (Linear's `weight`, the MoE's `w13` and `w2`)."""
+    """The names of `module`'s own block-FP8 weights."""
     return [
-        name
-        for name in ("weight", "w13", "w2")
-        if getattr(module, name, None) is not None and getattr(module, f"{name}_scale", None) is not None
+        n for n in WEIGHT_NAMES if getattr(module, n, None) is not None and fp8_weight(module, n) is not None
     ]

@@ -28,7 +28,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from dpserve.layers.quant import FP8, QuantSpec, dequantize, quantize, quantized_weights_of
+from dpserve.layers.quant import FP8, QuantSpec, dequantize, quantize, quantized_weights_of, set_tables
 
 
 @dataclass(frozen=True)
@@ -234,10 +234,10 @@ class BlockScales:
                 f"{w.name} is {part.dtype} in the checkpoint, but its quantization_config says block FP8: "
                 "the checkpoint does not match its config"
             )
-        b0, b1 = self.block
-        rows = (r0 + torch.arange(part.shape[0])) // b0
-        cols = (c0 + torch.arange(part.shape[1])) // b1
         if w.dest.dtype != FP8:
+            b0, b1 = self.block
+            rows = (r0 + torch.arange(part.shape[0])) // b0
+            cols = (c0 + torch.arange(part.shape[1])) // b1
             return dequantize(part, scale, rows, cols, w.dest.dtype)
         q = self._target(w)
         offset = w.dest.storage_offset() - q.storage_offset()
@@ -267,9 +267,8 @@ class BlockScales:
             by_expert = [sorted((p for p in parts if p[0] == e), key=lambda p: p[1]) for e in range(experts)]
             layout = [(row, n, r0, c0, tuple(s.shape)) for _, row, n, r0, c0, s in by_expert[0]]
             sizes = [n for _, n, *_ in layout]
-            if [row for row, *_ in layout] != [sum(sizes[:i]) for i in range(len(sizes))] or sum(
-                sizes
-            ) != q.shape[-2]:
+            starts = [sum(sizes[:i]) for i in range(len(sizes))]  # the parts, back to back
+            if [row for row, *_ in layout] != starts or sum(sizes) != q.shape[-2]:
                 raise ValueError(
                     f"{type(module).__name__}.{name}: its rows were not all read from FP8 tensors"
                 )
@@ -287,9 +286,8 @@ class BlockScales:
             tables = [torch.cat([s for *_, s in e]) for e in by_expert]
             device = q.device
             scale = torch.stack(tables) if q.dim() == 3 else tables[0]
-            getattr(module, f"{name}_scale").data = scale.to(device)
-            setattr(module, f"{name}_row_block", torch.tensor(row_block, device=device))
-            setattr(module, f"{name}_col_block", (c0 + torch.arange(q.shape[-1], device=device)) // b1)
+            col_block = (c0 + torch.arange(q.shape[-1], device=device)) // b1
+            set_tables(module, name, scale.to(device), torch.tensor(row_block, device=device), col_block)
 
 
 def load_bytes(weights: list[Weight]) -> int:

@@ -49,6 +49,8 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
+from dpserve.layers.quant import FP8_MAX
+
 SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>"]
 VOCAB_SIZE = 301  # deliberately not a multiple of 4 so the engine's vocabulary padding is exercised
 # Weight std for hidden_size 64 (scaled by 1/sqrt(width) for wider models): large enough that random logits
@@ -527,9 +529,6 @@ def dequantized_copy(model_dir: str | Path, out_dir: str | Path) -> Path:
     config.pop("quantization_config")
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return out
-
-
-FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 
 
 UNQUANTIZED = ("embed_tokens", "lm_head", "norm", "mlp.gate.weight", "weights_proj", "shared_head")
