@@ -70,9 +70,11 @@ class EngineConfig:
         None,
         "how the linear and expert weights are kept (SGLang's names). fp8: block FP8 (128 x 128 blocks, "
         "float32 scales, DeepSeek-V3's format), as a block-FP8 checkpoint states it in its "
-        "quantization_config, or quantized at load from an unquantized checkpoint; w8a8_int8 (int8 "
-        "weights per channel, int8 activations per token) is refused: not built yet. Unset: as the "
-        "checkpoint stores them",
+        "quantization_config, or quantized at load from an unquantized checkpoint; w8a8_int8: int8 "
+        "weights with a float32 scale per output row, activations quantized to int8 per token at run "
+        "time (int8 checkpoints such as DeepSeek-R1-Channel-INT8 often carry no quantization_config: "
+        "this names their format), or quantized at load. CPU only for now. Unset: as the checkpoint "
+        "stores them",
         choices=("fp8", "w8a8_int8"),
     )
     device: str = option("auto", "auto: cuda if available, else cpu", choices=("auto", "cpu", "cuda"))

@@ -1,6 +1,8 @@
-"""Block-FP8 checkpoints (DeepSeek-V3's format) served as they are: weights kept 8-bit, each rank's
-part read with the scales of the blocks it touches (parts that start inside a block included), and
-transformers' greedy tokens on the checkpoint dequantized by DeepSeek's rule."""
+"""8-bit checkpoints served as they are. Block FP8 (DeepSeek-V3's format): weights kept 8-bit, each
+rank's part read with the scales of the blocks it touches (parts that start inside a block included),
+and transformers' greedy tokens on the checkpoint dequantized by DeepSeek's rule. W8A8-INT8 (SGLang's
+w8a8_int8): the fused CPU kernel gives its plain PyTorch form's bits, and the engine transformers'
+tokens on the dequantized checkpoint with its activations rounded as each rank rounds them."""
 
 from __future__ import annotations
 
@@ -12,10 +14,11 @@ import torch
 from conftest import GREEDY, NEW_TOKENS, assert_matches_reference
 from safetensors.torch import load_file, save_file
 
-from dpserve.layers.quant import BlockFP8, fp8_linear
+from dpserve import cpu_ops
+from dpserve.layers.quant import QuantizedWeight, fp8_linear, int8_linear
 from dpserve.models.config import ModelConfig
-from dpserve.testing.reference import hf_greedy_reference
-from dpserve.testing.tiny_models import UNQUANTIZED, dequantized_fp8_copy, quantize_fp8
+from dpserve.testing.reference import Int8Activations, hf_greedy_reference
+from dpserve.testing.tiny_models import UNQUANTIZED, dequantized_8bit_copy, quantize_fp8, quantize_int8
 
 # Ragged on purpose: 24-row and 40-column blocks leave partial edge blocks on every tiny tensor, and
 # tp 2 splits (16 expert rows, 32 o_proj columns per rank) start inside a block.
@@ -47,7 +50,7 @@ def fp8_references(fp8_models, prompts, tmp_path_factory):
 
     class References(dict):
         def __missing__(self, arch: str):
-            reference = dequantized_fp8_copy(fp8_models[arch], root / arch)
+            reference = dequantized_8bit_copy(fp8_models[arch], root / arch)
             self[arch] = hf_greedy_reference(reference, prompts, NEW_TOKENS)
             return self[arch]
 
@@ -63,7 +66,7 @@ def test_a_weight_part_starting_inside_a_block_takes_that_blocks_scales():
     full = q.float() * scale.repeat_interleave(8, 0).repeat_interleave(16, 1)
     rows, cols = slice(10, 30), slice(7, 47)
     first_row, first_col = 10 // 8, 7 // 16
-    part = BlockFP8(
+    part = QuantizedWeight(
         q[rows, cols],
         scale[first_row : -(-30 // 8), first_col : -(-47 // 16)],
         torch.arange(10, 30) // 8 - first_row,
@@ -88,7 +91,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("arch,tp,dp,options", CASES)
-def test_fp8_checkpoint_matches_transformers_on_its_dequantized_copy(
+def test_fp8_checkpoint_matches_transformers_on_its_dequantized_8bit_copy(
     engine_cache, fp8_models, fp8_references, prompts, arch, tp, dp, options
 ):
     engine = engine_cache.get(
@@ -190,8 +193,141 @@ def test_quantization_flag_refuses_what_it_cannot_serve(model_dirs, fp8_model, t
         ValueError, match="--quantization fp8, but its quantization_config says quant_method='mxfp4'"
     ):
         ModelConfig.load(str(mxfp4), "fp8")
-    with pytest.raises(ValueError, match="--quantization w8a8_int8 is not built yet"):
-        ModelConfig.load(model_dirs["deepseek_v3"], "w8a8_int8")
     assert ModelConfig.load(fp8_model, "fp8").quant.block == BLOCK  # the checkpoint's own blocks
     assert ModelConfig.load(model_dirs["deepseek_v3"]).quant is None
     assert ModelConfig.load(model_dirs["deepseek_v3"], "fp8").quant.block == (128, 128)
+
+
+# W8A8-INT8 ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_int8_kernel_gives_the_plain_pytorch_forms_bits(dtype):
+    """The fused kernel against int8_linear on ragged shapes (k not a multiple of its 16-lane step,
+    tokens and rows not of its 3 x 4 tile), a bias, and a token of zeros; and int8_linear's integer
+    dot products against an int64 matmul."""
+    assert cpu_ops.load()
+    g = torch.Generator().manual_seed(0)
+    for tokens, k, n in ((1, 5, 3), (7, 37, 9), (16, 333, 70)):
+        x = (torch.randn(tokens, k, generator=g) * 3).to(dtype)
+        x[tokens // 2] = 0
+        q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+        scale, bias = torch.rand(n, generator=g) / 100, torch.randn(n, generator=g)
+        for b in (None, bias):
+            fused = torch.ops.dpserve_cpu.int8_linear(x, q, scale, b)
+            torch.testing.assert_close(fused, int8_linear(x, q, scale, b), rtol=0, atol=0)
+        amax = x.float().abs().amax(-1, keepdim=True)
+        levels = torch.round(x.float() * (torch.full_like(amax, 127) / amax)).nan_to_num(0).long()
+        exact = (levels @ q.long().T).float() * (amax / 127) * scale
+        torch.testing.assert_close(int8_linear(x, q, scale).float(), exact.to(dtype).float(), rtol=0, atol=0)
+
+
+INT8_BOUND = 0.05  # logprobs
+INT8_NEAR_TIE = 0.01  # the reference's steps whose top-2 logits are closer end the comparison
+INT8_KEEP = (*UNQUANTIZED, "kv_b_proj")  # MLA's kv_b_proj is widened at load: its input stays unrounded
+# (arch, tp, dp, row-parallel weights split over ranks: each rank rounds its own columns of their input)
+INT8_CASES = [
+    ("deepseek_v3", 1, 1, {}),
+    ("deepseek_v3", 2, 2, {"down_proj": 2}),  # DP attention: o_proj whole in each group, MLPs split
+    ("qwen3_moe", 4, 2, {"down_proj": 4, "o_proj": 2}),
+    ("qwen3", 2, 1, {"down_proj": 2, "o_proj": 2}),
+]
+
+
+@pytest.fixture(scope="module")
+def int8_models(model_dirs, tmp_path_factory) -> dict[str, str]:
+    """Each family's tiny checkpoint in W8A8-INT8 with no quantization_config (as meituan's
+    DeepSeek-R1-Channel-INT8 ships), written when first asked for."""
+    root = tmp_path_factory.mktemp("int8")
+
+    class Models(dict):
+        def __missing__(self, arch: str) -> str:
+            self[arch] = str(quantize_int8(model_dirs[arch], root / arch))
+            return self[arch]
+
+    return Models()
+
+
+@pytest.mark.parametrize("arch,tp,dp,parts", INT8_CASES)
+def test_int8_checkpoint_matches_transformers_with_its_activations_rounded(
+    engine_cache, int8_models, prompts, tmp_path, arch, tp, dp, parts
+):
+    """--quantization w8a8_int8 on an int8 checkpoint: transformers on its dequantized copy, each
+    quantized linear's input rounded per token as the ranks round it, gives the same greedy tokens
+    and logprobs within INT8_BOUND (most steps agree to 1e-6: the bound covers inputs that float
+    noise moves across a rounding boundary)."""
+    reference = dequantized_8bit_copy(int8_models[arch], tmp_path / arch)
+    rounding = Int8Activations(INT8_KEEP, parts)
+    refs = hf_greedy_reference(reference, prompts, NEW_TOKENS, rounding, near_tie=INT8_NEAR_TIE)
+    engine = engine_cache.get(
+        int8_models[arch],
+        tp_size=tp,
+        dp_size=dp,
+        enable_dp_attention=dp > 1,
+        kv_cache_memory_gb=0.002,
+        quantization="w8a8_int8",
+    )
+    outputs = engine.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True)
+    assert_matches_reference(outputs, refs, atol=INT8_BOUND)
+
+
+def test_quantization_w8a8_int8_quantizes_at_load_as_offline(engine_cache, model_dirs, prompts, tmp_path):
+    """--quantization w8a8_int8 on the float32 tiny DeepSeek-V3 keeps the int8 weights and scales of
+    the checkpoint quantized offline (kv_b_proj aside): the same tokens and logprobs, and weights 3
+    bytes per element smaller than float32 less 4 per row's scale; a quantization_config saying
+    w8a8_int8 is read without the flag."""
+    offline = str(quantize_int8(model_dirs["deepseek_v3"], tmp_path / "v3", INT8_KEEP))
+    online = {"quantization": "w8a8_int8"}
+    outputs = [
+        engine_cache.get(path, kv_cache_memory_gb=0.002, **options).generate(
+            input_ids=prompts, sampling_params=GREEDY, return_logprob=True
+        )
+        for path, options in ((offline, online), (model_dirs["deepseek_v3"], online))
+    ]
+    assert [o["output_ids"] for o in outputs[0]] == [o["output_ids"] for o in outputs[1]]
+    for a, b in zip(*outputs, strict=True):
+        assert a["meta_info"]["output_token_logprobs"] == pytest.approx(
+            b["meta_info"]["output_token_logprobs"], abs=1e-5
+        )
+    weight_bytes = {
+        path: engine_cache.info(path, kv_cache_memory_gb=0.002, **options)["dp_ranks"][0]["weight_bytes"]
+        for path, options in ((offline, online), (model_dirs["deepseek_v3"], {}))
+    }
+    tensors = {k: v for f in Path(offline).glob("*.safetensors") for k, v in load_file(f).items()}
+    saved = sum(
+        3 * tensors[name.removesuffix("_scale")].numel() - 4 * tensors[name].numel()
+        for name in tensors
+        if name.endswith("_scale")
+    )
+    assert weight_bytes[model_dirs["deepseek_v3"]] - weight_bytes[offline] == saved > 0
+    assert ModelConfig.load(model_dirs["deepseek_v3"], "w8a8_int8").quant.method == "w8a8_int8"
+
+
+def test_int8_checkpoints_say_what_they_need(int8_models, tmp_path):
+    """An int8 checkpoint without quantization_config and without the flag is refused naming the
+    flag; with `quant_method: w8a8_int8` in its config it needs none; a mis-shaped scale is named."""
+    import shutil
+
+    from dpserve import Engine
+
+    bad = tmp_path / "int8"
+    shutil.copytree(int8_models["qwen3"], bad)
+    with pytest.raises(Exception, match=r"torch.int8 in the checkpoint.*--quantization w8a8_int8"):
+        Engine(model_path=str(bad), device="cpu", dtype="float32", kv_cache_memory_gb=0.002)
+    config = json.loads((bad / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "w8a8_int8"}
+    (bad / "config.json").write_text(json.dumps(config))
+    assert ModelConfig.load(str(bad)).quant.method == "w8a8_int8"
+    with pytest.raises(
+        ValueError, match="--quantization fp8, but its quantization_config says quant_method='w8a8_int8'"
+    ):
+        ModelConfig.load(str(bad), "fp8")
+    (shard,) = bad.glob("*.safetensors")
+    tensors = load_file(shard)
+    name = "model.layers.0.mlp.down_proj.weight_scale"
+    tensors[name] = tensors[name][:3].contiguous()
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    with pytest.raises(
+        Exception, match=rf"{name} has shape \(3, 1\), but .* in a scale per row \(w8a8_int8\) needs"
+    ):
+        Engine(model_path=str(bad), device="cpu", dtype="float32", kv_cache_memory_gb=0.002)

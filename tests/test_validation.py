@@ -204,7 +204,7 @@ def test_a_checkpoint_unlike_its_quantization_config_is_refused(model_dirs, tmp_
     (quantized / "config.json").write_text(json.dumps(config))
     with pytest.raises(
         Exception,
-        match=r"\.weight is torch.float32 in the checkpoint, but its quantization_config says block FP8",
+        match=r"\.weight is torch.float32 in the checkpoint, but it is read as fp8 \(torch.float8_e4m3fn\)",
     ):
         Engine(model_path=str(quantized), device="cpu")
 

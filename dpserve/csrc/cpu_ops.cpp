@@ -471,6 +471,127 @@ void apply_token_bitmask(const at::Tensor& logits, const at::Tensor& bitmask, co
   });
 }
 
+
+// W8A8-INT8 linear (SGLang's w8a8_int8): x [m, k] quantized per token to int8 (scale amax / 127,
+// rounded half to even), int8 weights [n, k] with a float32 scale per output row; exact int32 dot
+// products, then out = float(dot) * x_scale * w_scale (+ bias), rounded once to x's dtype. The plain
+// PyTorch form in dpserve/layers/quant.py gives the same bits.
+#if defined(__AVX2__)
+using I16x16 = __m256i;  // sixteen int16 lanes: int8 values widened, multiplied in pairs to int32
+inline I16x16 load_i16(const int16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline __m256i dot_accumulate(__m256i acc, I16x16 a, I16x16 b) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpwssd_epi32(acc, a, b);  // VNNI: the multiply and the add in one instruction
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+}
+inline int32_t lanes_sum(__m256i v) {
+  __m128i x = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  x = _mm_add_epi32(x, _mm_shuffle_epi32(x, 0x4e));
+  x = _mm_add_epi32(x, _mm_shuffle_epi32(x, 0xb1));
+  return _mm_cvtsi128_si32(x);
+}
+constexpr int64_t kDotStep = 16;
+#else
+constexpr int64_t kDotStep = 1;
+#endif
+constexpr int64_t kRowTile = 4;    // weight rows sharing each load of an activation row
+constexpr int64_t kTokenTile = 3;  // activation rows sharing each load of a weight row (12 accumulators)
+
+// dots[t * kRowTile + r] = xq[t] . wq[r] for TT rows of xq and kRowTile rows of wq, each `k` int16
+// values (k a multiple of kDotStep, zero-padded).
+template <int64_t TT>
+inline void int8_dots(const int16_t* xq, const int16_t* wq, int64_t k, int32_t* dots) {
+#if defined(__AVX2__)
+  __m256i acc[TT][kRowTile];
+  for (int64_t t = 0; t < TT; ++t)
+    for (int64_t r = 0; r < kRowTile; ++r) acc[t][r] = _mm256_setzero_si256();
+  for (int64_t j = 0; j < k; j += kDotStep) {
+    for (int64_t r = 0; r < kRowTile; ++r) {
+      const I16x16 w = load_i16(wq + r * k + j);
+      for (int64_t t = 0; t < TT; ++t) acc[t][r] = dot_accumulate(acc[t][r], load_i16(xq + t * k + j), w);
+    }
+  }
+  for (int64_t t = 0; t < TT; ++t)
+    for (int64_t r = 0; r < kRowTile; ++r) dots[t * kRowTile + r] = lanes_sum(acc[t][r]);
+#else
+  for (int64_t t = 0; t < TT; ++t)
+    for (int64_t r = 0; r < kRowTile; ++r) {
+      int32_t acc = 0;
+      for (int64_t j = 0; j < k; ++j) acc += int32_t(xq[t * k + j]) * int32_t(wq[r * k + j]);
+      dots[t * kRowTile + r] = acc;
+    }
+#endif
+}
+
+template <typename T>
+void int8_linear_kernel(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& w_scale, const float* bias,
+                        at::Tensor& out) {
+  const int64_t tokens = x.size(0), k = x.size(1), n = wq.size(0);
+  const int64_t kp = (k + kDotStep - 1) / kDotStep * kDotStep;
+  std::vector<int16_t> xq(tokens * kp, 0);
+  std::vector<float> x_scale(tokens);
+  const T* xs = x.data_ptr<T>();
+  at::parallel_for(0, tokens, grain(k), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* row = xs + t * k;
+      float amax = 0.f;
+      for (int64_t j = 0; j < k; ++j) amax = std::max(amax, std::fabs(static_cast<float>(row[j])));
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      for (int64_t j = 0; j < k; ++j) {
+        const float q = std::nearbyint(static_cast<float>(row[j]) * inv);
+        xq[t * kp + j] = static_cast<int16_t>(std::min(127.f, std::max(-127.f, q)));
+      }
+      x_scale[t] = amax / 127.f;
+    }
+  });
+  const int8_t* w = wq.data_ptr<int8_t>();
+  const float* ws = w_scale.data_ptr<float>();
+  T* dst = out.data_ptr<T>();
+  const int64_t tiles = (n + kRowTile - 1) / kRowTile;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    // A tile's weight rows widened once, shared by every token (rows past n stay zero).
+    std::vector<int16_t> wide(kRowTile * kp, 0);
+    std::vector<int32_t> dots(tokens * kRowTile);
+    for (int64_t tile = begin; tile < end; ++tile) {
+      const int64_t r0 = tile * kRowTile, rows = std::min(kRowTile, n - r0);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int8_t* src = w + (r0 + r) * k;
+        int16_t* row = wide.data() + r * kp;
+        for (int64_t j = 0; j < k; ++j) row[j] = src[j];
+      }
+      int64_t t = 0;
+      for (; t + kTokenTile <= tokens; t += kTokenTile)
+        int8_dots<kTokenTile>(xq.data() + t * kp, wide.data(), kp, dots.data() + t * kRowTile);
+      for (; t < tokens; ++t) int8_dots<1>(xq.data() + t * kp, wide.data(), kp, dots.data() + t * kRowTile);
+      for (int64_t t = 0; t < tokens; ++t)
+        for (int64_t r = 0; r < rows; ++r) {
+          float v = static_cast<float>(dots[t * kRowTile + r]) * x_scale[t] * ws[r0 + r];
+          if (bias) v += bias[r0 + r];
+          dst[t * n + r0 + r] = static_cast<T>(v);
+        }
+    }
+  });
+}
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& w_scale,
+                       const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(wq.scalar_type() == at::kChar && wq.dim() == 2 && wq.is_contiguous(), "int8_linear: contiguous int8 weight [n, k]");
+  TORCH_CHECK(x.size(-1) == wq.size(1), "int8_linear: x [..., k] against weight [n, k]");
+  TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.numel() == wq.size(0), "int8_linear: a float32 scale per weight row");
+  TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->numel() == wq.size(0)), "int8_linear: a float32 bias per weight row");
+  const at::Tensor x2 = x.reshape({-1, x.size(-1)}).contiguous(), sc = w_scale.contiguous();
+  at::Tensor out = at::empty({x2.size(0), wq.size(0)}, x.options());
+  const at::Tensor b = bias ? bias->contiguous() : at::Tensor();
+  dispatch(x.scalar_type(), "int8_linear", [&](auto tag) {
+    int8_linear_kernel<decltype(tag)>(x2, wq, sc, bias ? b.data_ptr<float>() : nullptr, out);
+  });
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = wq.size(0);
+  return out.view(shape);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(dpserve_cpu, m) {
@@ -480,6 +601,7 @@ TORCH_LIBRARY(dpserve_cpu, m) {
   m.def("rotary(Tensor x, Tensor cos_sin, Tensor positions, bool interleaved) -> Tensor");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
   m.def("apply_token_bitmask(Tensor(a!) logits, Tensor bitmask, Tensor rows) -> ()");
+  m.def("int8_linear(Tensor x, Tensor wq, Tensor w_scale, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(dpserve_cpu, CPU, m) {
@@ -488,4 +610,5 @@ TORCH_LIBRARY_IMPL(dpserve_cpu, CPU, m) {
   m.impl("rotary", &rotary);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("apply_token_bitmask", &apply_token_bitmask);
+  m.impl("int8_linear", &int8_linear);
 }

@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpserve.layers.quant import add_weight, building_spec, fp8_linear, fp8_weight
+from dpserve.layers.quant import add_weight, building_spec, quantized_linear, quantized_weight
 
 
 class Linear(nn.Module):
@@ -20,8 +20,8 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)
-        if self.weight_scale is not None:  # block FP8 (`dpserve.layers.quant`)
-            return fp8_linear(x, fp8_weight(self, "weight"), self.bias)
+        if self.weight_scale is not None:  # 8-bit (`dpserve.layers.quant`)
+            return quantized_linear(x, quantized_weight(self, "weight"), self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def packs(self, dtype: torch.dtype, device_type: str) -> bool:

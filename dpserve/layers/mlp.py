@@ -16,7 +16,7 @@ from torch.distributed import ProcessGroup
 from dpserve import cpu_ops
 from dpserve.layers.ep_dispatch import dispatch_combine
 from dpserve.layers.linear import Linear, onednn_packs, pack, packed_linear
-from dpserve.layers.quant import add_weight, building_spec, fp8_linear, fp8_weight
+from dpserve.layers.quant import add_weight, building_spec, quantized_linear, quantized_weight
 from dpserve.memory import moe_chunk_rows
 from dpserve.step.records import StepLayout
 
@@ -130,7 +130,7 @@ class MoE(nn.Module):
             if spec.router_bias
             else None
         )
-        # Block FP8 under a quantized build (`dpserve.layers.quant`): w13_scale, w2_scale beside them.
+        # 8-bit under a quantized build (`dpserve.layers.quant`): w13_scale, w2_scale beside them.
         add_weight(self, "w13", (n, 2 * intermediate_local, h), building_spec())
         add_weight(self, "w2", (n, h, intermediate_local), building_spec())
         # Expert biases (gpt-oss). Split over WORLD, each rank holds its part of b13 and only rank 0
@@ -220,8 +220,8 @@ class MoE(nn.Module):
         if self.packed is not None:
             return experts_loop(x, *self.packed, weights, ids, packed_linear, self.act, self.b13, self.b2)
         if self.w13_scale is not None:
-            w13, w2 = fp8_weight(self, "w13"), fp8_weight(self, "w2")
-            return experts_loop(x, w13, w2, weights, ids, fp8_linear, self.act, self.b13, self.b2)
+            w13, w2 = quantized_weight(self, "w13"), quantized_weight(self, "w2")
+            return experts_loop(x, w13, w2, weights, ids, quantized_linear, self.act, self.b13, self.b2)
         return experts_loop(x, self.w13, self.w2, weights, ids, F.linear, self.act, self.b13, self.b2)
 
     def pack_for_cpu(self) -> bool:

@@ -1,6 +1,11 @@
-"""Block-quantized FP8 weights kept 8-bit in memory (DeepSeek-V3's format: `quant_method: fp8`,
-`weight_block_size: [B0, B1]`): an FP8 (e4m3) tensor `q` and float32 scales, one per B0 x B1 block,
-W[i, j] = q[i, j] * s[i // B0, j // B1], edge blocks ragged.
+"""Linear and expert weights kept 8-bit in memory, as the checkpoints users download store them:
+
+- block FP8 (DeepSeek-V3's format: `quant_method: fp8`, `weight_block_size: [B0, B1]`): an FP8
+  (e4m3) tensor `q` and float32 scales, one per B0 x B1 block, W[i, j] = q[i, j] * s[i // B0, j //
+  B1], edge blocks ragged; weight-only: activations stay in the model's dtype;
+- W8A8-INT8 (SGLang's `w8a8_int8`): an int8 tensor and a float32 scale per output row (a block of
+  one row and every column), activations quantized to int8 per token at run time, the dot products
+  in int32 (the fused CPU kernel `int8_linear`, or the same bits in plain PyTorch).
 
 A rank's part of a tensor need not start on a block boundary (tp splits of any size), and a fused
 parameter (gate | up, q | k | v, every expert's w13) holds several parts: so a weight's scales are a
@@ -23,18 +28,35 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from dpserve import cpu_ops
+
 FP8 = torch.float8_e4m3fn
+INT8 = torch.int8
+PER_ROW = 1 << 40  # W8A8-INT8's block width: every column of a row shares its scale
 ROWS_PER_CHUNK = 256  # output rows widened at once on the CPU: a bounded scratch, never the whole weight
 
 
 @dataclass(frozen=True)
 class QuantSpec:
-    """How a checkpoint's linear weights are kept: block FP8 with blocks of `block` (rows, columns),
-    as stored (its quantization_config) or quantized at load (`online`: --quantization fp8)."""
+    """How a checkpoint's linear weights are kept: `method` (SGLang's --quantization names) with a
+    scale per block of `block` (rows, columns), as stored or quantized at load (`online`:
+    --quantization on a checkpoint whose weights are not)."""
 
-    method: str  # fp8
+    method: str  # fp8 | w8a8_int8
     block: tuple[int, int]
     online: bool = False
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return FP8 if self.method == "fp8" else INT8
+
+    @property
+    def scale_suffix(self) -> str:
+        """The scale tensor's name after its weight's: DeepSeek's inverse scales, SGLang's int8 ones."""
+        return "_scale_inv" if self.method == "fp8" else "_scale"
+
+    def describe(self) -> str:
+        return "a scale per row" if self.block[1] == PER_ROW else f"blocks of {list(self.block)}"
 
 
 _BUILDING: list[QuantSpec | None] = [None]
@@ -69,11 +91,18 @@ def block_tables(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[torch.
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 
 
-def quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [rows, cols] in block FP8 (--quantization fp8): each block's largest magnitude mapped to
-    448, edge blocks ragged. Returns (q, scales), W ~ q * scale of its block."""
+INT8_MAX = 127.0
+
+
+def quantize(w: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [rows, cols] as `spec` keeps it (--quantization): each block's largest magnitude mapped to
+    448 (FP8) or 127 (int8, rounded to nearest), edge blocks ragged. Returns (q, scales), W ~ q *
+    scale of its block."""
+    if spec.method == "w8a8_int8":
+        scale = w.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / INT8_MAX
+        return torch.round(w.float() / scale).clamp(-INT8_MAX, INT8_MAX).to(INT8), scale
     rows, cols = w.shape
-    b0, b1 = block
+    b0, b1 = spec.block
     r, c = math.ceil(rows / b0), math.ceil(cols / b1)
     padded = F.pad(w.float(), (0, c * b1 - cols, 0, r * b0 - rows)).view(r, b0, c, b1)
     scale = padded.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX
@@ -84,13 +113,13 @@ def quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, tor
 def dequantize(
     q: torch.Tensor, scale: torch.Tensor, row_block: torch.Tensor, col_block: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
-    """q [rows, cols] (FP8) times its blocks' scales ([R, C], each row's and column's block) in
+    """q [rows, cols] (FP8 or int8) times its blocks' scales ([R, C], each row's and column's block) in
     float32, then cast to `dtype`: the values transformers computes from the dequantized checkpoint."""
     return (q.float() * scale[row_block[:, None], col_block[None, :]]).to(dtype)
 
 
 @dataclass(frozen=True)
-class BlockFP8:
+class QuantizedWeight:
     """One quantized weight ([rows, cols], or [experts, rows, cols] with `scale` [experts, R, C]);
     indexing takes one expert's."""
 
@@ -102,11 +131,41 @@ class BlockFP8:
     def __len__(self) -> int:
         return len(self.q)
 
-    def __getitem__(self, e: int) -> BlockFP8:
-        return BlockFP8(self.q[e], self.scale[e], self.row_block, self.col_block)
+    def __getitem__(self, e: int) -> QuantizedWeight:
+        return QuantizedWeight(self.q[e], self.scale[e], self.row_block, self.col_block)
 
 
-def fp8_linear(x: torch.Tensor, w: BlockFP8, bias: torch.Tensor | None = None) -> torch.Tensor:
+def quantized_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W.T + bias for a quantized W, in x's dtype."""
+    if w.q.dtype == INT8:
+        row_scale = w.scale[w.row_block, 0]  # W8A8-INT8: one block per row
+        if cpu_ops.usable(x):
+            return torch.ops.dpserve_cpu.int8_linear(
+                x, w.q, row_scale, None if bias is None else bias.float()
+            )
+        return int8_linear(x, w.q, row_scale, bias)
+    return fp8_linear(x, w, bias)
+
+
+def int8_linear(
+    x: torch.Tensor, q: torch.Tensor, row_scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [..., k] quantized to int8 per token (scale: its largest magnitude / 127, rounded half to
+    even) times int8 q [n, k], exact integer dot products (float64 holds them), scaled by the token's
+    and the row's scales in float32: the fused kernel's bits, in plain PyTorch."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1, keepdim=True)
+    # A true division (a Python number over a tensor is a reciprocal times the number in PyTorch).
+    inv = torch.where(amax > 0, torch.full_like(amax, INT8_MAX).div(amax), torch.zeros_like(amax))
+    xq = torch.round(xf * inv).clamp(-INT8_MAX, INT8_MAX)
+    dots = (xq.double() @ q.double().T).float()
+    out = dots * (amax / INT8_MAX) * row_scale
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
+
+
+def fp8_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ W.T + bias for a block-FP8 W, widening ROWS_PER_CHUNK output rows at a time to x's dtype."""
     rows = w.q.shape[0]
     out = x.new_empty(*x.shape[:-1], rows)
@@ -123,11 +182,10 @@ WEIGHT_NAMES = ("weight", "w13", "w2")  # Linear's, the MoE's experts'
 
 
 def add_weight(module: torch.nn.Module, name: str, shape: tuple[int, ...], spec: QuantSpec | None) -> None:
-    """`module.<name>`: an empty Parameter of `shape`, in block FP8 with its scale table and block
-    indices under `spec`, else in the default dtype (`<name>_scale` None)."""
-    setattr(
-        module, name, torch.nn.Parameter(torch.empty(shape, dtype=FP8 if spec else None), requires_grad=False)
-    )
+    """`module.<name>`: an empty Parameter of `shape`, 8-bit with its scale table and block indices
+    under `spec`, else in the default dtype (`<name>_scale` None)."""
+    dtype = spec.dtype if spec else None
+    setattr(module, name, torch.nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False))
     setattr(module, f"{name}_scale", None)
     if spec is not None:
         scale, row_block, col_block = block_tables(shape, spec.block)
@@ -143,12 +201,12 @@ def set_tables(
     setattr(module, f"{name}_col_block", col_block)
 
 
-def fp8_weight(module: torch.nn.Module, name: str) -> BlockFP8 | None:
+def quantized_weight(module: torch.nn.Module, name: str) -> QuantizedWeight | None:
     """`module.<name>` with its scales; None when it is not quantized."""
     scale = getattr(module, f"{name}_scale", None)
     if scale is None:
         return None
-    return BlockFP8(
+    return QuantizedWeight(
         getattr(module, name),
         scale,
         getattr(module, f"{name}_row_block"),
@@ -157,7 +215,9 @@ def fp8_weight(module: torch.nn.Module, name: str) -> BlockFP8 | None:
 
 
 def quantized_weights_of(module: torch.nn.Module) -> list[str]:
-    """The names of `module`'s own block-FP8 weights."""
+    """The names of `module`'s own quantized weights."""
     return [
-        n for n in WEIGHT_NAMES if getattr(module, n, None) is not None and fp8_weight(module, n) is not None
+        n
+        for n in WEIGHT_NAMES
+        if getattr(module, n, None) is not None and quantized_weight(module, n) is not None
     ]

@@ -11,7 +11,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from dpserve.config import EngineConfig
 from dpserve.eplb.placement import Placement, start_placement
-from dpserve.layers.quant import QuantSpec
+from dpserve.layers.quant import PER_ROW, QuantSpec
 from dpserve.models.family import FAMILIES, SERVED, Family, MoESpec
 from dpserve.models.loader import CheckpointReader
 
@@ -100,8 +100,8 @@ class ModelConfig:
             )
         if self.quant is not None and cfg.device != "cpu":
             raise ValueError(
-                f"{self.path}: block-FP8 weights (quantization_config quant_method fp8) are served on the CPU; "
-                "their GPU kernels (Triton block-FP8 GEMM and fused MoE) are not built yet"
+                f"{self.path}: {self.quant.method} weights are served on the CPU; their GPU kernels "
+                "(Triton block-FP8 and INT8 GEMMs and fused MoE) are not built yet"
             )
         moe = self.moe
         if cfg.ep_size > 1 and moe is None:
@@ -182,12 +182,14 @@ class ModelConfig:
 
 SERVED_QUANTIZATION = (
     "dpserve serves unquantized checkpoints (float32, float16, bfloat16 safetensors), block-FP8 ones "
-    "(quant_method fp8 with weight_block_size, DeepSeek-V3's format: kept 8-bit; --quantization fp8 "
+    "(quant_method fp8 with weight_block_size, DeepSeek-V3's format), W8A8-INT8 ones (SGLang's "
+    "w8a8_int8: int8 weights with a scale per row), both kept 8-bit (--quantization fp8 or w8a8_int8 "
     "quantizes an unquantized one so at load), GGUF files and gpt-oss's MXFP4 experts (dequantized at load)"
 )
 
 
 ONLINE_FP8_BLOCK = (128, 128)  # --quantization fp8 on an unquantized checkpoint: DeepSeek-V3's blocks
+INT8_PER_ROW = (1, PER_ROW)  # w8a8_int8: a scale per output row
 
 
 def read_quantization(
@@ -196,10 +198,10 @@ def read_quantization(
     """The checkpoint's quantization_config (or `requested`, --quantization) as dpserve serves it;
     ValueError naming what it is otherwise (loading quantized tensors without their scales would
     serve garbage without an error)."""
-    if requested == "w8a8_int8":
-        raise ValueError(f"--quantization w8a8_int8 is not built yet; {SERVED_QUANTIZATION}")
     quant = getattr(hf, "quantization_config", None)
-    if not quant:
+    if not quant:  # int8 tensors read as stored, float ones quantized at load
+        if requested == "w8a8_int8":
+            return QuantSpec("w8a8_int8", INT8_PER_ROW, online=True)
         return QuantSpec("fp8", ONLINE_FP8_BLOCK, online=True) if requested == "fp8" else None
     quant = quant if isinstance(quant, dict) else quant.to_dict()
     method = quant.get("quant_method", "?")
@@ -209,6 +211,8 @@ def read_quantization(
         )
     if method in FAMILIES[family].quantizations:
         return None  # dequantized by the family's own loading (gpt-oss's MXFP4 experts)
+    if method == "w8a8_int8":
+        return QuantSpec("w8a8_int8", INT8_PER_ROW)
     if method != "fp8":
         raise ValueError(
             f"{model_path}: quantization_config with quant_method={method!r} is not supported; {SERVED_QUANTIZATION}"

@@ -28,7 +28,16 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from dpserve.layers.quant import FP8, QuantSpec, dequantize, quantize, quantized_weights_of, set_tables
+from dpserve.layers.quant import (
+    FP8,
+    INT8,
+    PER_ROW,
+    QuantSpec,
+    dequantize,
+    quantize,
+    quantized_weights_of,
+    set_tables,
+)
 
 
 @dataclass(frozen=True)
@@ -185,14 +194,17 @@ def read_order(weights: list[Weight], reader: CheckpointReader) -> list[list[Wei
     return out
 
 
+QUANTIZED = (FP8, INT8)  # the dtypes of weights kept 8-bit
+
+
 class BlockScales:
-    """Block-FP8 tensors as they are read: each rank's part with the scales of the blocks it touches
-    (also when the part starts inside a block), widened for a destination in another dtype, or
-    collected for a quantized one (`dpserve.layers.quant`) whose scale table and block indices are
-    drawn once all its parts are read (`finish`)."""
+    """8-bit tensors (block FP8, per-row int8) as they are read: each rank's part with the scales of
+    the blocks it touches (also when the part starts inside a block), widened for a destination in
+    another dtype, or collected for a quantized one (`dpserve.layers.quant`) whose scale table and
+    block indices are drawn once all its parts are read (`finish`)."""
 
     def __init__(self, spec: QuantSpec, model: torch.nn.Module):
-        self.block, self.online = spec.block, spec.online
+        self.spec, self.block, self.online = spec, spec.block, spec.online
         # Each quantized weight by its storage: (module, name), and the parts read into it.
         self.targets = {
             getattr(m, name).untyped_storage().data_ptr(): (m, name)
@@ -204,37 +216,42 @@ class BlockScales:
     def scales(self, w: Weight, r: CheckpointReader) -> tuple[torch.Tensor, int, int]:
         """The scales of the blocks `w`'s part touches, and where the part starts in its first
         row and column block."""
-        name = w.name + "_scale_inv"
+        name = w.name + self.spec.scale_suffix
         if name not in r.file_of:
-            raise ValueError(f"{w.name} is FP8 but the checkpoint has no {name}")
+            raise ValueError(f"{w.name} is {self.spec.dtype} but the checkpoint has no {name}")
         rows, cols = r.slice(w.name).get_shape()
         b0, b1 = self.block
         sl = r.slice(name)
         expected = (-(-rows // b0), -(-cols // b1))
-        if tuple(sl.get_shape()) != expected:
+        shape = tuple(sl.get_shape())
+        if shape != expected and not (b1 == PER_ROW and shape == (rows,)):  # int8: [out] or [out, 1]
+            source = "weight_block_size" if self.spec.method == "fp8" else self.spec.method
             raise ValueError(
-                f"{name} has shape {tuple(sl.get_shape())}, but {w.name} {(rows, cols)} in blocks of "
-                f"{list(self.block)} (weight_block_size) needs {expected}"
+                f"{name} has shape {shape}, but {w.name} {(rows, cols)} in {self.spec.describe()} "
+                f"({source}) needs {expected}"
             )
         (row0, col0), (n, m) = w.origin(), w.dest.shape[-2:]
-        return sl[row0 // b0 : -(-(row0 + n) // b0), col0 // b1 : -(-(col0 + m) // b1)], row0 % b0, col0 % b1
+        rows_touched = slice(row0 // b0, -(-(row0 + n) // b0))
+        if len(shape) == 1:
+            return sl[rows_touched][:, None], row0 % b0, 0
+        return sl[rows_touched, col0 // b1 : -(-(col0 + m) // b1)], row0 % b0, col0 % b1
 
     def load(self, w: Weight, part: torch.Tensor, r: CheckpointReader) -> torch.Tensor:
         """The part as its destination takes it: widened, or as it is with its scales kept for
-        `finish`; an unquantized part for an FP8 destination quantized here (--quantization fp8),
-        in blocks from its own first row and column."""
+        `finish`; an unquantized part for an 8-bit destination quantized here (--quantization), in
+        blocks from its own first row and column."""
         if w.transform is not None or w.pad or part.dim() != 2:
-            raise ValueError(f"{w.name}: an FP8 tensor read with a transform, padding or {part.dim()} dims")
-        if part.dtype == FP8:
+            raise ValueError(f"{w.name}: an 8-bit tensor read with a transform, padding or {part.dim()} dims")
+        if part.dtype == self.spec.dtype:
             scale, r0, c0 = self.scales(w, r)
-        elif self.online:
-            (part, scale), r0, c0 = quantize(part, self.block), 0, 0
+        elif self.online and part.is_floating_point() and part.dtype not in QUANTIZED:
+            (part, scale), r0, c0 = quantize(part, self.spec), 0, 0
         else:
             raise ValueError(
-                f"{w.name} is {part.dtype} in the checkpoint, but its quantization_config says block FP8: "
-                "the checkpoint does not match its config"
+                f"{w.name} is {part.dtype} in the checkpoint, but it is read as {self.spec.method} "
+                f"({self.spec.dtype}): the checkpoint does not match its quantization"
             )
-        if w.dest.dtype != FP8:
+        if w.dest.dtype not in QUANTIZED:
             b0, b1 = self.block
             rows = (r0 + torch.arange(part.shape[0])) // b0
             cols = (c0 + torch.arange(part.shape[1])) // b1
@@ -252,7 +269,7 @@ class BlockScales:
     def _target(self, w: Weight) -> torch.Tensor:
         found = self.targets.get(w.dest.untyped_storage().data_ptr())
         if found is None:
-            raise ValueError(f"{w.name}: FP8 destination of no quantized layer")
+            raise ValueError(f"{w.name}: 8-bit destination of no quantized layer")
         module, name = found
         return getattr(module, name)
 
@@ -270,7 +287,7 @@ class BlockScales:
             starts = [sum(sizes[:i]) for i in range(len(sizes))]  # the parts, back to back
             if [row for row, *_ in layout] != starts or sum(sizes) != q.shape[-2]:
                 raise ValueError(
-                    f"{type(module).__name__}.{name}: its rows were not all read from FP8 tensors"
+                    f"{type(module).__name__}.{name}: its rows were not all read from 8-bit tensors"
                 )
             if any(
                 [(row, n, r0, c0, tuple(s.shape)) for _, row, n, r0, c0, s in e] != layout for e in by_expert
@@ -297,10 +314,10 @@ def load_bytes(weights: list[Weight]) -> int:
 
 @torch.no_grad()
 def load_weights(
-    weights: list[Weight], model_dir: str | Path, show_progress: bool, fp8: BlockScales | None = None
+    weights: list[Weight], model_dir: str | Path, show_progress: bool, quantized: BlockScales | None = None
 ) -> None:
     """Reads every entry's part of the checkpoint into its destination (cast to its dtype), file by
-    file in on-disk order; FP8 tensors through `fp8` (their scales). On a GPU each part is staged in
+    file in on-disk order; 8-bit tensors through `quantized` (their scales). On a GPU each part is staged in
     pinned memory and copied without blocking, the host reading the next part meanwhile; one
     synchronisation per file releases the staging buffers."""
     reader = CheckpointReader(model_dir)
@@ -313,13 +330,14 @@ def load_weights(
                 staged = []
                 for w in group:
                     part = w.read(reader)
-                    if part.dtype == FP8 or w.dest.dtype == FP8:
-                        if fp8 is None:
+                    if part.dtype in QUANTIZED or w.dest.dtype in QUANTIZED:
+                        if quantized is None:
+                            hint = " (--quantization w8a8_int8 names SGLang's format)" * (part.dtype == INT8)
                             raise ValueError(
                                 f"{w.name} is {part.dtype} in the checkpoint, but the model reads it as "
-                                f"{w.dest.dtype}: its quantization_config does not say how it is stored"
+                                f"{w.dest.dtype}: its quantization_config does not say how it is stored{hint}"
                             )
-                        part = fp8.load(w, part, reader)
+                        part = quantized.load(w, part, reader)
                     if w.dest.is_cuda:
                         part = part.pin_memory()
                         staged.append(part)  # alive until its copy has run
@@ -327,7 +345,7 @@ def load_weights(
                     bar.update()
                 if staged:
                     torch.cuda.synchronize()
-        if fp8 is not None:
-            fp8.finish()
+        if quantized is not None:
+            quantized.finish()
     finally:
         reader.close()

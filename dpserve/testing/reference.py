@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import random
 from collections import Counter
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, PreTrainedModel, RepetitionPenaltyLogitsProcessor
 
 from dpserve.models.config import read_hf_config
@@ -39,31 +42,90 @@ def _load_model(model_dir: str) -> PreTrainedModel:
 
 @torch.inference_mode()
 def hf_greedy_reference(
-    model_dir: str | Path, prompts: list[list[int]], max_new_tokens: int
+    model_dir: str | Path,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    int8_activations: Int8Activations | None = None,
+    near_tie: float = NEAR_TIE,
 ) -> list[Reference]:
-    """Greedy-decode each prompt alone (batch 1, no padding) with transformers in float32."""
+    """Greedy-decode each prompt alone (batch 1, no padding) with transformers in float32.
+    `int8_activations`: W8A8-INT8's activation rounding (`Int8Activations`); steps whose top-2
+    logits are closer than `near_tie` end the comparison."""
     model = _load_model(str(Path(model_dir).resolve()))
     refs = []
     for prompt in prompts:
-        out = model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            do_sample=False,
-            max_new_tokens=max_new_tokens,
-            min_new_tokens=max_new_tokens,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
+        with int8_activation_rounding(model, int8_activations):
+            out = model.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+                min_new_tokens=max_new_tokens,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
         new_ids = out.sequences[0, len(prompt) :]
         logits = torch.cat(out.logits)  # raw (unprocessed) logits, [steps, vocab]
         chosen = torch.log_softmax(logits, dim=-1).gather(1, new_ids[:, None])[:, 0]
         top2 = logits.topk(2, dim=-1)
-        near_tie = (top2.values[:, 0] - top2.values[:, 1]) < NEAR_TIE
+        ambiguous = (top2.values[:, 0] - top2.values[:, 1]) < near_tie
         # min_new_tokens masks eos, so a step whose raw argmax is eos diverges from plain greedy.
-        unsafe = (near_tie | (top2.indices[:, 0] != new_ids)).nonzero()
+        unsafe = (ambiguous | (top2.indices[:, 0] != new_ids)).nonzero()
         compare_len = int(unsafe[0]) if len(unsafe) else len(new_ids)
         refs.append(Reference(new_ids.tolist(), chosen.tolist(), compare_len))
     return refs
+
+
+@dataclass(frozen=True)
+class Int8Activations:
+    """Which linears round their input as W8A8-INT8 does (per token to 127 levels of its largest
+    magnitude, and back): every 2-d and 3-d weight (experts by their stacked tensor) whose name holds
+    none of `keep`. A row-parallel weight whose name holds a key of `parts` is split over that many
+    ranks, each rounding its own columns of the input."""
+
+    keep: tuple[str, ...]
+    parts: dict[str, int] = field(default_factory=dict)
+
+    def parts_of(self, name: str) -> int:
+        return next((n for key, n in self.parts.items() if key in name), 1)
+
+
+@contextlib.contextmanager
+def int8_activation_rounding(model: PreTrainedModel, rounding: Int8Activations | None) -> Iterator[None]:
+    """While inside, F.linear on one of `model`'s int8 weights first rounds its input as `rounding` says."""
+    if rounding is None:
+        yield
+        return
+    quantized = {
+        p.untyped_storage().data_ptr(): rounding.parts_of(name)
+        for name, p in model.named_parameters()
+        if p.dim() in (2, 3) and not any(k in name for k in rounding.keep)
+    }
+    linear = F.linear
+    # transformers' experts as a loop of F.linear calls (its grouped_mm default calls no F.linear).
+    configs = {id(m.config): m.config for m in model.modules() if hasattr(m, "is_concatenated")}
+    implementations = {k: c._experts_implementation for k, c in configs.items()}
+
+    def rounded_linear(
+        x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        parts = quantized.get(weight.untyped_storage().data_ptr())
+        if parts is not None:
+            split = x.unflatten(-1, (parts, -1))
+            amax = split.abs().amax(dim=-1, keepdim=True)
+            levels = torch.round(split * torch.full_like(amax, 127).div(amax)).clamp(-127, 127)
+            x = torch.where(amax > 0, levels * (amax / 127), split).flatten(-2)
+        return linear(x, weight, bias)
+
+    F.linear = rounded_linear
+    for c in configs.values():
+        c._experts_implementation = "eager"
+    try:
+        yield
+    finally:
+        F.linear = linear
+        for k, c in configs.items():
+            c._experts_implementation = implementations[k]
 
 
 def reference_logits(

@@ -18,6 +18,7 @@ import argparse
 import copy
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -547,65 +548,103 @@ def quantize_fp8(
     """A copy of a checkpoint in DeepSeek-V3's block-FP8 format: each linear weight (but `keep`) as
     float8_e4m3fn with a float32 `weight_scale_inv` per block of `block` (rows, columns; edge blocks
     ragged), the block's largest magnitude mapped to 448, and `quantization_config` saying so."""
+    b0, b1 = block
+
+    def fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, cols = w.shape
+        scale = torch.empty(-(-rows // b0), -(-cols // b1))
+        q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+        for i in range(scale.shape[0]):
+            for j in range(scale.shape[1]):
+                tile = w[i * b0 : (i + 1) * b0, j * b1 : (j + 1) * b1]
+                scale[i, j] = tile.abs().amax().clamp(min=1e-12) / FP8_MAX
+                q[i * b0 : (i + 1) * b0, j * b1 : (j + 1) * b1] = (tile / scale[i, j]).to(torch.float8_e4m3fn)
+        return q, scale
+
+    config = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": list(block),
+    }
+    return _quantized_copy(model_dir, out_dir, keep, fp8, "_scale_inv", config)
+
+
+def quantize_int8(
+    model_dir: str | Path, out_dir: str | Path, keep: tuple[str, ...] = UNQUANTIZED, config: bool = False
+) -> Path:
+    """A copy of a checkpoint in SGLang's W8A8-INT8 format (meituan's DeepSeek-R1-Channel-INT8): each
+    linear weight (but `keep`) as int8 with a float32 `weight_scale` [out, 1], each row's largest
+    magnitude mapped to 127; with no quantization_config, as those checkpoints ship (`config`: one
+    saying quant_method w8a8_int8)."""
+
+    def int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scale = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127
+        return torch.round(w / scale).clamp(-127, 127).to(torch.int8), scale
+
+    quant = {"quant_method": "w8a8_int8", "activation_scheme": "dynamic"} if config else None
+    return _quantized_copy(model_dir, out_dir, keep, int8, "_scale", quant)
+
+
+def _quantized_copy(
+    model_dir: str | Path,
+    out_dir: str | Path,
+    keep: tuple[str, ...],
+    quantize: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    scale_suffix: str,
+    quantization_config: dict | None,
+) -> Path:
+    """A copy of a checkpoint with each linear weight (but `keep`) replaced by `quantize`'s (q, scale),
+    the scale saved as the weight's name + `scale_suffix`, and `quantization_config` in config.json."""
     src, out = Path(model_dir), Path(out_dir)
     shutil.copytree(src, out)
-    b0, b1 = block
     added: dict[str, str] = {}  # scale tensor -> its shard
     for path in out.glob("*.safetensors"):
         tensors = load_file(str(path))
         for name in [n for n, t in tensors.items() if is_quantized_linear(n, t, keep)]:
-            w = tensors.pop(name).float()
-            rows, cols = w.shape
-            scale = torch.empty(-(-rows // b0), -(-cols // b1))
-            q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
-            for i in range(scale.shape[0]):
-                for j in range(scale.shape[1]):
-                    tile = w[i * b0 : (i + 1) * b0, j * b1 : (j + 1) * b1]
-                    scale[i, j] = tile.abs().amax().clamp(min=1e-12) / FP8_MAX
-                    q[i * b0 : (i + 1) * b0, j * b1 : (j + 1) * b1] = (tile / scale[i, j]).to(
-                        torch.float8_e4m3fn
-                    )
-            tensors[name], tensors[name + "_scale_inv"] = q, scale
-            added[name + "_scale_inv"] = path.name
+            tensors[name], tensors[name + scale_suffix] = quantize(tensors.pop(name).float())
+            added[name + scale_suffix] = path.name
         save_file(tensors, str(path), metadata={"format": "pt"})
     index = out / "model.safetensors.index.json"
     if index.exists():
         data = json.loads(index.read_text())
         data["weight_map"] |= added
         index.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    config = json.loads((out / "config.json").read_text())
-    config["quantization_config"] = {
-        "quant_method": "fp8",
-        "fmt": "e4m3",
-        "activation_scheme": "dynamic",
-        "weight_block_size": list(block),
-    }
-    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if quantization_config is not None:
+        config = json.loads((out / "config.json").read_text())
+        config["quantization_config"] = quantization_config
+        (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return out
 
 
-def dequantized_fp8_copy(model_dir: str | Path, out_dir: str | Path) -> Path:
-    """A float32 copy of a block-FP8 checkpoint, dequantized by DeepSeek's rule W[i, j] = q[i, j] *
-    s[i // B0, j // B1] (each scale repeated over its block, ragged edges cut): the reference an
-    engine reading the FP8 files must match (transformers derives the block from the scales' grid,
-    which misreads ragged blocks)."""
+def dequantized_8bit_copy(model_dir: str | Path, out_dir: str | Path) -> Path:
+    """A float32 copy of a block-FP8 or W8A8-INT8 checkpoint, dequantized by DeepSeek's rule W[i, j] =
+    q[i, j] * s[i // B0, j // B1] (each scale repeated over its block, ragged edges cut; int8: a block
+    per row): the reference an engine reading the 8-bit files must match (transformers derives the
+    block from the scales' grid, which misreads ragged blocks)."""
     src, out = Path(model_dir), Path(out_dir)
     shutil.copytree(src, out)
     config = json.loads((out / "config.json").read_text())
-    b0, b1 = config.pop("quantization_config")["weight_block_size"]
+    quant = config.pop("quantization_config", None) or {}
+    b0, b1 = quant.get("weight_block_size", (1, 1 << 40))
     for path in out.glob("*.safetensors"):
         tensors = load_file(str(path))
-        for name in [n for n in tensors if n.endswith("_scale_inv")]:
-            scale, weight = tensors.pop(name), name.removesuffix("_scale_inv")
+        scales = [
+            n for n in tensors if n.endswith(("_scale_inv", "_scale")) and n.rsplit("_scale", 1)[0] in tensors
+        ]
+        for name in scales:
+            scale, weight = tensors.pop(name), name.rsplit("_scale", 1)[0]
             q = tensors[weight]
             rows, cols = q.shape
-            grid = scale.repeat_interleave(b0, 0)[:rows].repeat_interleave(b1, 1)[:, :cols]
+            grid = scale.repeat_interleave(b0, 0)[:rows].repeat_interleave(min(b1, cols), 1)[:, :cols]
             tensors[weight] = q.float() * grid
         save_file(tensors, str(path), metadata={"format": "pt"})
     index = out / "model.safetensors.index.json"
     if index.exists():
         data = json.loads(index.read_text())
-        data["weight_map"] = {n: f for n, f in data["weight_map"].items() if not n.endswith("_scale_inv")}
+        data["weight_map"] = {
+            n: f for n, f in data["weight_map"].items() if not n.endswith(("_scale_inv", "_scale"))
+        }
         index.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return out

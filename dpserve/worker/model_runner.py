@@ -44,8 +44,8 @@ def load_model(cfg: EngineConfig, model_cfg: ModelConfig, groups: Groups, device
             model = build_model(model_cfg, groups, cfg, backend)
     finally:
         torch.set_default_dtype(previous)
-    fp8 = BlockScales(model_cfg.quant, model) if model_cfg.quant else None
-    load_weights(model.weights(), cfg.model_path, show_progress=groups.topo.rank == 0, fp8=fp8)
+    quantized = BlockScales(model_cfg.quant, model) if model_cfg.quant else None
+    load_weights(model.weights(), cfg.model_path, show_progress=groups.topo.rank == 0, quantized=quantized)
     return model
 
 
