@@ -15,7 +15,7 @@ from conftest import GREEDY, NEW_TOKENS, assert_matches_reference
 from safetensors.torch import load_file, save_file
 
 from dpserve import cpu_ops
-from dpserve.layers.quant import QuantizedWeight, fp8_linear, int8_linear
+from dpserve.layers.quant import QuantizedWeight, dequantize, fp8_linear, int8_linear
 from dpserve.models.config import ModelConfig
 from dpserve.testing.reference import Int8Activations, hf_greedy_reference
 from dpserve.testing.tiny_models import UNQUANTIZED, dequantized_8bit_copy, quantize_fp8, quantize_int8
@@ -74,6 +74,40 @@ def test_a_weight_part_starting_inside_a_block_takes_that_blocks_scales():
     )
     x = torch.randn(3, 40, generator=g)
     torch.testing.assert_close(fp8_linear(x, part), x @ full[rows, cols].T, rtol=0, atol=0)
+    assert cpu_ops.load()
+    fused = torch.ops.dpserve_cpu.fp8_linear(x, part.q, part.scale, part.row_block, part.col_block, None)
+    torch.testing.assert_close(fused, x @ full[rows, cols].T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fp8_kernel_widens_every_fp8_value_exactly(dtype):
+    """The fused kernel widens each of the 254 finite float8_e4m3fn values (subnormals and both
+    zeros included) exactly: with one-hot inputs each output is a weight times its block's scale;
+    and on ragged shapes it gives the float64 product (rounded once to x's dtype) with a bias."""
+    assert cpu_ops.load()
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F]  # the two NaNs
+    q = codes.view(torch.float8_e4m3fn).view(2, 127)
+    scale = torch.tensor([[0.5, 3.0], [2.0**-9, 1.0]])
+    row_block, col_block = torch.tensor([0, 1]), (torch.arange(127) >= 40).long()
+    eye = torch.eye(127, dtype=dtype)
+    fused = torch.ops.dpserve_cpu.fp8_linear(eye, q, scale, row_block, col_block, None)
+    widened = q.float() * scale[row_block[:, None], col_block[None, :]]
+    assert torch.equal(fused, widened.T.to(dtype))
+    g = torch.Generator().manual_seed(0)
+    for tokens, k, n in ((0, 5, 3), (1, 5, 3), (2, 130, 9), (7, 37, 9), (16, 333, 70)):  # fused and tiled
+        x = torch.randn(tokens, k, generator=g).to(dtype)
+        q = (torch.randn(n, k, generator=g) * 100).to(torch.float8_e4m3fn)
+        scale = torch.rand(-(-n // 8), -(-k // 24), generator=g)
+        row_block, col_block = torch.arange(n) // 8, torch.arange(k) // 24
+        bias = torch.randn(n, generator=g)
+        w = dequantize(q, scale, row_block, col_block, torch.float64)
+        exact = x.double() @ w.T + bias.double()
+        fused = torch.ops.dpserve_cpu.fp8_linear(x, q, scale, row_block, col_block, bias)
+        # float32 sums (k roundings of at most the terms' magnitude), then one rounding to dtype
+        bound = k * 2.0**-24 * (x.double().abs() @ w.abs().T + bias.double().abs())
+        bound += torch.finfo(dtype).eps * exact.abs()
+        assert ((fused.double() - exact).abs() <= bound).all()
 
 
 # Families that ship block FP8, over the layouts: MLA (V3, V3.2's indexer, Kimi's V3 code), GQA with
@@ -208,9 +242,9 @@ def test_int8_kernel_gives_the_plain_pytorch_forms_bits(dtype):
     dot products against an int64 matmul."""
     assert cpu_ops.load()
     g = torch.Generator().manual_seed(0)
-    for tokens, k, n in ((1, 5, 3), (7, 37, 9), (16, 333, 70)):
+    for tokens, k, n in ((0, 5, 3), (1, 5, 3), (7, 37, 9), (16, 333, 70)):
         x = (torch.randn(tokens, k, generator=g) * 3).to(dtype)
-        x[tokens // 2] = 0
+        x[tokens // 2 : tokens // 2 + 1] = 0
         q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
         scale, bias = torch.rand(n, generator=g) / 100, torch.randn(n, generator=g)
         for b in (None, bias):

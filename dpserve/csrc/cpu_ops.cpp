@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -33,6 +34,13 @@ struct Vec {
     return {_mm512_castsi512_ps(_mm512_slli_epi32(wide, 16))};
   }
   static Vec load(const c10::Half* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))}; }
+  // float8_e4m3fn codes to float32 (fp8_e4m3_value below, a lane at a time)
+  static Vec load_fp8(const uint8_t* p) {
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m512i bits = _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(v, _mm512_set1_epi32(0x80)), 24),
+                                         _mm512_slli_epi32(_mm512_and_si512(v, _mm512_set1_epi32(0x7f)), 20));
+    return {_mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(0x1p120f))};
+  }
   void store(float* p) const { _mm512_storeu_ps(p, v); }
   static Vec fma(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
   Vec operator*(Vec b) const { return {_mm512_mul_ps(v, b.v)}; }
@@ -70,6 +78,12 @@ struct Vec {
     return {_mm256_castsi256_ps(_mm256_slli_epi32(wide, 16))};
   }
   static Vec load(const c10::Half* p) { return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))}; }
+  static Vec load_fp8(const uint8_t* p) {
+    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const __m256i bits = _mm256_or_si256(_mm256_slli_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0x80)), 24),
+                                         _mm256_slli_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0x7f)), 20));
+    return {_mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(0x1p120f))};
+  }
   void store(float* p) const { _mm256_storeu_ps(p, v); }
   static Vec fma(Vec a, Vec b, Vec c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
   Vec operator*(Vec b) const { return {_mm256_mul_ps(v, b.v)}; }
@@ -102,6 +116,7 @@ struct Vec {
   static Vec set(float x) { return {x}; }
   template <typename T>
   static Vec load(const T* p) { return {static_cast<float>(*p)}; }
+  static Vec load_fp8(const uint8_t* p);
   void store(float* p) const { *p = v; }
   static Vec fma(Vec a, Vec b, Vec c) { return {a.v * b.v + c.v}; }
   Vec operator*(Vec b) const { return {v * b.v}; }
@@ -592,6 +607,160 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& wq, const at::Tens
   return out.view(shape);
 }
 
+// Block-FP8 weight-only linear (DeepSeek-V3's format): out = x @ W.T (+ bias) with W[i, j] = q[i, j] *
+// scale[row_block[i], col_block[j]]; a tile of weight rows is widened to float32 once per call (the
+// weight never exists widened whole), its products with every token summed in float32, rounded once
+// to x's dtype.
+
+// float8_e4m3fn to float32, exactly: its sign, exponent and mantissa bits placed in a float32's
+// (exponent bias 127 instead of 7, subnormals included), times 2^120. (NaN, 0x7f, is not a weight.)
+inline float fp8_e4m3_value(uint8_t v) {
+  const uint32_t bits = (uint32_t(v & 0x80) << 24) | (uint32_t(v & 0x7f) << 20);
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f * 0x1p120f;
+}
+
+#if !defined(__AVX512F__) && !(defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+Vec Vec::load_fp8(const uint8_t* p) { return {fp8_e4m3_value(*p)}; }
+#endif
+
+// Up to this many tokens, each weight row is widened within the dot products (read once per token,
+// never stored); more share a tile widened once.
+constexpr int64_t kFusedTokens = 4;
+
+// out[t] = x[t] . W[row] for `tokens` (<= kFusedTokens) float rows x (row stride k): the row's codes
+// widened as they are read, each run of one column block summed, then times its scale.
+template <int64_t tokens>  // a constant, so that the accumulators live in registers
+void fp8_row_dots(const float* x, int64_t k, const uint8_t* codes, const float* row_scales, const int64_t* cb,
+                  const std::vector<int64_t>& run_start, float* out) {
+  float total[tokens] = {};
+  for (size_t run = 0; run + 1 < run_start.size(); ++run) {
+    const int64_t lo = run_start[run], hi = run_start[run + 1];
+    Vec acc[tokens];
+    for (int64_t t = 0; t < tokens; ++t) acc[t] = Vec::zero();
+    int64_t j = lo;
+    for (; j + Vec::kWidth <= hi; j += Vec::kWidth) {
+      const Vec w = Vec::load_fp8(codes + j);
+      for (int64_t t = 0; t < tokens; ++t) acc[t] = Vec::fma(Vec::load(x + t * k + j), w, acc[t]);
+    }
+    const float block_scale = row_scales[cb[lo]];
+    for (int64_t t = 0; t < tokens; ++t) {
+      float sum = acc[t].sum();
+      for (int64_t jj = j; jj < hi; ++jj) sum += fp8_e4m3_value(codes[jj]) * x[t * k + jj];
+      total[t] += sum * block_scale;
+    }
+  }
+  for (int64_t t = 0; t < tokens; ++t) out[t] = total[t];
+}
+
+constexpr int64_t kFloatRowTile = 4;    // weight rows sharing each load of a token's row
+constexpr int64_t kFloatTokenTile = 3;  // tokens sharing each load of a weight row
+
+// dots[t * kFloatRowTile + r] = x[t] . w[r] over k floats (k a multiple of Vec::kWidth, zero-padded).
+template <int64_t TT>
+inline void float_dots(const float* x, const float* w, int64_t k, float* dots) {
+  Vec acc[TT][kFloatRowTile];
+  for (int64_t t = 0; t < TT; ++t)
+    for (int64_t r = 0; r < kFloatRowTile; ++r) acc[t][r] = Vec::zero();
+  for (int64_t j = 0; j < k; j += Vec::kWidth) {
+    for (int64_t r = 0; r < kFloatRowTile; ++r) {
+      const Vec wv = Vec::load(w + r * k + j);
+      for (int64_t t = 0; t < TT; ++t) acc[t][r] = Vec::fma(Vec::load(x + t * k + j), wv, acc[t][r]);
+    }
+  }
+  for (int64_t t = 0; t < TT; ++t)
+    for (int64_t r = 0; r < kFloatRowTile; ++r) dots[t * kFloatRowTile + r] = acc[t][r].sum();
+}
+
+template <typename T>
+void fp8_linear_kernel(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& row_block,
+                       const at::Tensor& col_block, const float* bias, at::Tensor& out) {
+  const int64_t tokens = x.size(0), k = x.size(1), n = q.size(0), blocks = scale.size(1);
+  const int64_t kp = (k + Vec::kWidth - 1) / Vec::kWidth * Vec::kWidth;
+  std::vector<float> xf(tokens * kp, 0.f);
+  const T* xs = x.data_ptr<T>();
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t j = 0; j < k; ++j) xf[t * kp + j] = static_cast<float>(xs[t * k + j]);
+  const uint8_t* qs = reinterpret_cast<const uint8_t*>(q.data_ptr());
+  const float* sc = scale.data_ptr<float>();
+  const int64_t* rb = row_block.data_ptr<int64_t>();
+  const int64_t* cb = col_block.data_ptr<int64_t>();
+  T* dst = out.data_ptr<T>();
+  // The runs of columns in one block (col_block ascends): each run widened by one scale, a loop the
+  // compiler vectorizes.
+  std::vector<int64_t> run_start{0};
+  for (int64_t j = 1; j < k; ++j)
+    if (cb[j] != cb[j - 1]) run_start.push_back(j);
+  run_start.push_back(k);
+  if (tokens == 0) return;
+  if (tokens <= kFusedTokens) {
+    at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+      float dots[kFusedTokens];
+      for (int64_t r = begin; r < end; ++r) {
+        const uint8_t* codes = qs + r * k;
+        const float* row_scales = sc + rb[r] * blocks;
+        switch (tokens) {
+          case 1: fp8_row_dots<1>(xf.data(), kp, codes, row_scales, cb, run_start, dots); break;
+          case 2: fp8_row_dots<2>(xf.data(), kp, codes, row_scales, cb, run_start, dots); break;
+          case 3: fp8_row_dots<3>(xf.data(), kp, codes, row_scales, cb, run_start, dots); break;
+          default: fp8_row_dots<4>(xf.data(), kp, codes, row_scales, cb, run_start, dots); break;
+        }
+        for (int64_t t = 0; t < tokens; ++t) dst[t * n + r] = static_cast<T>(bias ? dots[t] + bias[r] : dots[t]);
+      }
+    });
+    return;
+  }
+  const int64_t tiles = (n + kFloatRowTile - 1) / kFloatRowTile;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> wide(kFloatRowTile * kp, 0.f);  // rows past n stay zero
+    std::vector<float> dots(tokens * kFloatRowTile);
+    for (int64_t tile = begin; tile < end; ++tile) {
+      const int64_t r0 = tile * kFloatRowTile, rows = std::min(kFloatRowTile, n - r0);
+      for (int64_t r = 0; r < rows; ++r) {
+        const uint8_t* src = qs + (r0 + r) * k;
+        const float* row_scales = sc + rb[r0 + r] * blocks;
+        float* w = wide.data() + r * kp;
+        for (size_t run = 0; run + 1 < run_start.size(); ++run) {
+          const float block_scale = row_scales[cb[run_start[run]]];
+          for (int64_t j = run_start[run]; j < run_start[run + 1]; ++j) w[j] = fp8_e4m3_value(src[j]) * block_scale;
+        }
+      }
+      int64_t t = 0;
+      for (; t + kFloatTokenTile <= tokens; t += kFloatTokenTile)
+        float_dots<kFloatTokenTile>(xf.data() + t * kp, wide.data(), kp, dots.data() + t * kFloatRowTile);
+      for (; t < tokens; ++t) float_dots<1>(xf.data() + t * kp, wide.data(), kp, dots.data() + t * kFloatRowTile);
+      for (int64_t t = 0; t < tokens; ++t)
+        for (int64_t r = 0; r < rows; ++r) {
+          float v = dots[t * kFloatRowTile + r];
+          if (bias) v += bias[r0 + r];
+          dst[t * n + r0 + r] = static_cast<T>(v);
+        }
+    }
+  });
+}
+
+at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& row_block,
+                      const at::Tensor& col_block, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat8_e4m3fn && q.dim() == 2, "fp8_linear: a float8_e4m3fn weight [n, k]");
+  TORCH_CHECK(x.size(-1) == q.size(1), "fp8_linear: x [..., k] against weight [n, k]");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.dim() == 2, "fp8_linear: float32 scales [row blocks, column blocks]");
+  TORCH_CHECK(row_block.scalar_type() == at::kLong && row_block.numel() == q.size(0) &&
+                  col_block.scalar_type() == at::kLong && col_block.numel() == q.size(1),
+              "fp8_linear: an int64 block index per weight row and column");
+  TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->numel() == q.size(0)), "fp8_linear: a float32 bias per weight row");
+  const at::Tensor x2 = x.reshape({-1, x.size(-1)}).contiguous(), sc = scale.contiguous();
+  const at::Tensor rb = row_block.contiguous(), cb = col_block.contiguous();
+  at::Tensor out = at::empty({x2.size(0), q.size(0)}, x.options());
+  const at::Tensor b = bias ? bias->contiguous() : at::Tensor();
+  dispatch(x.scalar_type(), "fp8_linear", [&](auto tag) {
+    fp8_linear_kernel<decltype(tag)>(x2, q.contiguous(), sc, rb, cb, bias ? b.data_ptr<float>() : nullptr, out);
+  });
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = q.size(0);
+  return out.view(shape);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(dpserve_cpu, m) {
@@ -602,6 +771,7 @@ TORCH_LIBRARY(dpserve_cpu, m) {
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
   m.def("apply_token_bitmask(Tensor(a!) logits, Tensor bitmask, Tensor rows) -> ()");
   m.def("int8_linear(Tensor x, Tensor wq, Tensor w_scale, Tensor? bias) -> Tensor");
+  m.def("fp8_linear(Tensor x, Tensor q, Tensor scale, Tensor row_block, Tensor col_block, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(dpserve_cpu, CPU, m) {
@@ -611,4 +781,5 @@ TORCH_LIBRARY_IMPL(dpserve_cpu, CPU, m) {
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("apply_token_bitmask", &apply_token_bitmask);
   m.impl("int8_linear", &int8_linear);
+  m.impl("fp8_linear", &fp8_linear);
 }

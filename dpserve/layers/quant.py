@@ -144,6 +144,10 @@ def quantized_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | N
                 x, w.q, row_scale, None if bias is None else bias.float()
             )
         return int8_linear(x, w.q, row_scale, bias)
+    if cpu_ops.usable(x):
+        return torch.ops.dpserve_cpu.fp8_linear(
+            x, w.q, w.scale, w.row_block, w.col_block, None if bias is None else bias.float()
+        )
     return fp8_linear(x, w, bias)
 
 
@@ -166,7 +170,9 @@ def int8_linear(
 
 
 def fp8_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ W.T + bias for a block-FP8 W, widening ROWS_PER_CHUNK output rows at a time to x's dtype."""
+    """x @ W.T + bias for a block-FP8 W, widening ROWS_PER_CHUNK output rows at a time to x's dtype:
+    the plain PyTorch form of the fused kernel `fp8_linear` (which widens a few rows at a time to
+    float32 and sums in float32)."""
     rows = w.q.shape[0]
     out = x.new_empty(*x.shape[:-1], rows)
     for lo in range(0, rows, ROWS_PER_CHUNK):
