@@ -48,7 +48,7 @@ def _path(model_dirs, model: str) -> str:
 
 
 def planned(model_path: str, tp: int, dp: int, attn: bool, kv_gb: float | None, **extra):
-    path, model_cfg = load(model_path)
+    path, model_cfg = load(model_path, extra.get("quantization"))
     kwargs = {"kv_cache_memory_gb": kv_gb, "dtype": "float32", **extra}
     return layout_memory(Layout(tp, dp, attn), path, model_cfg, "cpu", 0, kwargs)
 
@@ -63,6 +63,33 @@ def test_planner_memory_with_nextn():
     from dpserve.testing.trained_mtp import trained_mtp_model
 
     assert_planned_memory(str(trained_mtp_model()), 2, 2, True, KV_GB, speculative_algorithm="NEXTN")
+
+
+def test_planner_memory_of_8_bit_checkpoints(model_dirs, tmp_path):
+    """Block-FP8 weights and W8A8-INT8 quantized at load: the planner counts the bytes and scales a
+    started engine holds. (Blocks of 16 divide every tp 2 part of the tiny model; a rank whose part
+    starts inside a block holds the scales of one more block row or column per part than the
+    planner's rank 0.)"""
+    from dpserve.testing.tiny_models import quantize_fp8
+
+    fp8 = str(quantize_fp8(model_dirs["deepseek_v3"], tmp_path / "fp8", (16, 16)))
+    assert_planned_memory(fp8, 2, 2, True, KV_GB)
+    assert_planned_memory(model_dirs["qwen3_moe"], 2, 1, False, KV_GB, quantization="w8a8_int8")
+
+
+def test_deepseek_v3_in_fp8_fits_one_node_of_h200(capsys):
+    """The seed's own deployment: the bundled DeepSeek-V3 is block FP8 as published, and tp8 dp8 DP
+    attention fits 8 x H200 with KV room; the plan says that the engine refuses FP8 on GPUs today."""
+    args = ["--model", "deepseek-v3", "--device", "cuda", "--device-profile", "h200", "--num-gpus", "8"]
+    assert plan_main([*args, "--layout", "8:8:attn", "8:1", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["quantization"] == "fp8"
+    assert any("fp8 weights are served on the CPU" in n for n in plan["notes"])
+    dp8, tp8 = plan["layouts"]
+    assert dp8["valid"] and tp8["valid"] and dp8["kv_tokens_per_group"] > 100_000
+    # at least a byte per parameter (671 B over 8 ranks at tp8), far from bfloat16's two
+    assert 671e9 / 8 < tp8["weight_bytes_per_rank"] < 1.05 * 671e9 / 8
+    assert tp8["weight_bytes_per_rank"] < dp8["weight_bytes_per_rank"] < 0.75 * 141e9
 
 
 def test_planner_memory_with_the_hybrid_window_pool(model_dirs):
@@ -463,6 +490,8 @@ def test_redundant_experts_cost_weights_and_kv(capsys):
         assert plan_main([*args, "--ep-num-redundant-experts", str(r)]) == 0
         out[r] = json.loads(capsys.readouterr().out)["layouts"]
     ep = {r: out[r][0] for r in out}
-    assert ep[32]["weight_bytes_per_rank"] - ep[0]["weight_bytes_per_rank"] == 2 * 58 * 3 * 7168 * 2048 * 2
+    # block FP8 as published: 1 byte per element, a float32 scale per 128 x 128 block (2688 per expert)
+    expert = 3 * 7168 * 2048 + 4 * (2 * 16 * 56 + 56 * 16)
+    assert ep[32]["weight_bytes_per_rank"] - ep[0]["weight_bytes_per_rank"] == 2 * 58 * expert
     assert ep[32]["kv_tokens_per_group"] < ep[0]["kv_tokens_per_group"]
     assert not out[32][1]["valid"] and "they need ep_size=tp_size > 1 (got ep_size=1" in out[32][1]["reason"]

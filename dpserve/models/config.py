@@ -73,6 +73,24 @@ class ModelConfig:
 
     def validate(self, cfg: EngineConfig) -> None:
         """Raises ValueError naming the numbers, and the layouts that would work, when the engine's
+        layout cannot split this model, or naming what it needs that is not built yet."""
+        self.check_layout(cfg)
+        missing = self.unbuilt(cfg)
+        if missing:
+            raise ValueError(missing)
+
+    def unbuilt(self, cfg: EngineConfig) -> str | None:
+        """What serving this model on `cfg`'s device needs that dpserve has not built yet: refused at
+        start-up; the planner plans it and says so."""
+        if self.quant is not None and cfg.device != "cpu":
+            return (
+                f"{self.quant.method} weights are served on the CPU; their GPU kernels "
+                "(Triton block-FP8 and INT8 GEMMs and fused MoE) are not built yet"
+            )
+        return None
+
+    def check_layout(self, cfg: EngineConfig) -> None:
+        """Raises ValueError naming the numbers, and the layouts that would work, when the engine's
         layout (tp, dp or replicas, expert parallelism) cannot split this model."""
         topo, replicas = cfg.rank_topology(0)[1], cfg.num_instances
         a, t = topo.attn_tp_size, topo.tp_size
@@ -97,11 +115,6 @@ class ModelConfig:
                 )
             raise ValueError(
                 f"num_key_value_heads={self.num_kv_heads} must divide or be divisible by {a} {layout}{hint}"
-            )
-        if self.quant is not None and cfg.device != "cpu":
-            raise ValueError(
-                f"{self.path}: {self.quant.method} weights are served on the CPU; their GPU kernels "
-                "(Triton block-FP8 and INT8 GEMMs and fused MoE) are not built yet"
             )
         moe = self.moe
         if cfg.ep_size > 1 and moe is None:

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 # The engine options the planner's figures depend on.
 PLANNED_OPTIONS = (
     "dtype",
+    "quantization",
     "ep_num_redundant_experts",
     "mem_fraction_static",
     "kv_cache_memory_gb",

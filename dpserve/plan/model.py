@@ -1,8 +1,10 @@
 """The model the planner plans for: a bundled config by name, a Hugging Face directory, or a config.json.
 
 Bundled configs (`configs/<name>/config.json`) are written from the published architecture numbers
-of each model's Hugging Face config (gpt-oss's without its MXFP4 quantization_config: the planner
-counts the experts at the engine's dtype).
+of each model's Hugging Face config, with the quantization_config of the checkpoint its publisher
+ships (DeepSeek-V3/V3.2 and Kimi-K2: block FP8; GLM-4.5 and Qwen3 in bfloat16, their -FP8 variants
+planned with --quantization fp8; gpt-oss's without its MXFP4 quantization_config: the planner counts
+the experts at the engine's dtype).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ def resolve(model: str) -> str:
     return resolve_model_path(model)
 
 
-def load(model: str) -> tuple[str, ModelConfig]:
+def load(model: str, quantization: str | None = None) -> tuple[str, ModelConfig]:
+    """`model`'s directory and config, its weights kept as `quantization` (--quantization) says."""
     path = resolve(model)
-    return path, ModelConfig.load(path)
+    return path, ModelConfig.load(path, quantization)

@@ -334,7 +334,7 @@ def make_plan(
 ) -> Plan:
     from dpserve.plan.model import load
 
-    path, model_cfg = load(model)
+    path, model_cfg = load(model, engine_kwargs.get("quantization"))
     total = gpu_memory_bytes or profile.memory_bytes
     kwargs = dict(engine_kwargs, nnodes=nnodes)
     if nnodes > 1:

@@ -104,6 +104,8 @@ def to_json(plan: Plan) -> dict:
         "model": plan.model,
         "model_path": plan.model_path,
         "arch": plan.model_cfg.arch,
+        "quantization": plan.model_cfg.quant.method if plan.model_cfg.quant else None,
+        "notes": notes(plan),
         "num_gpus": plan.num_gpus,
         "nnodes": plan.nnodes,
         "profile": {
@@ -226,15 +228,30 @@ def rows(plan: Plan) -> tuple[list[list[str]], list[tuple[str, str]]]:
     return table, invalid
 
 
+def weights_format(plan: Plan) -> str:
+    """', weights fp8 (blocks of [128, 128])' for a quantized model, else ''."""
+    quant = plan.model_cfg.quant
+    return f", weights {quant.method} ({quant.describe()})" if quant else ""
+
+
 def header_line(plan: Plan) -> str:
     wl = plan.workload
     return (
-        f"{plan.model} ({plan.model_cfg.arch}) on {plan.num_gpus} x {plan.profile.name} ({plan.nnodes} node(s)); "
+        f"{plan.model} ({plan.model_cfg.arch}{weights_format(plan)}) on {plan.num_gpus} x {plan.profile.name} "
+        f"({plan.nnodes} node(s)); "
         f"input {wl.input_len}, output {wl.output_len} tokens"
         + (f", concurrency {wl.concurrency}" if wl.concurrency else "")
         + (f", {wl.request_rate:g} req/s" if wl.request_rate else "")
         + (f", TPOT target {wl.tpot_ms:g} ms" if wl.tpot_ms else "")
     )
+
+
+def notes(plan: Plan) -> list[str]:
+    """Sentences under the table: what dpserve has not built for this plan yet, the hybrid pool."""
+    first = next((lp.mem for lp in plan.layouts if lp.mem.valid), None)
+    unbuilt = first and plan.model_cfg.unbuilt(first.cfg)
+    out = [f"planned, but refused at start-up today: {unbuilt}"] if unbuilt else []
+    return out + [n for n in (window_note(plan),) if n]
 
 
 def window_note(plan: Plan) -> str | None:
@@ -255,8 +272,7 @@ def render_markdown(plan: Plan) -> str:
     cols = headers(plan)
     lines = [header_line(plan), "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(r) + " |" for r in table]
-    note = window_note(plan)
-    if note:
+    for note in notes(plan):
         lines += ["", note[0].upper() + note[1:] + "."]
     if invalid:
         lines += ["", "Not possible:", ""] + [f"- `{n}`: {why}" for n, why in invalid]
@@ -283,8 +299,7 @@ def render_text(plan: Plan, use_rich: bool = True) -> str:
     console = Console(width=200, record=True)
     with console.capture() as cap:
         console.print(t)
-        note = window_note(plan)
-        if note:
+        for note in notes(plan):
             console.print(note, highlight=False)
         for n, why in invalid:
             console.print(f"[dim]not possible: {n}: {why}[/dim]", highlight=False)
