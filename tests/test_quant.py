@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import GREEDY, NEW_TOKENS, assert_matches_reference
+from conftest import GREEDY, NEW_TOKENS, SMALL_POOL, assert_matches_reference
 from safetensors.torch import load_file, save_file
 
 from dpserve import cpu_ops
@@ -168,8 +168,15 @@ def test_unserved_and_malformed_quantization_is_refused_by_name(fp8_model, tmp_p
     bad = tmp_path / "bad"
     shutil.copytree(fp8_model, bad)
     config = json.loads((bad / "config.json").read_text())
+    unserved = ("awq", "gptq", "compressed-tensors", "modelopt", "bitsandbytes", "fbgemm_fp8", "mxfp4")
     for quant, message in (
-        ({"quant_method": "awq", "bits": 4}, "quant_method='awq' is not supported; dpserve serves"),
+        *(
+            (
+                {"quant_method": m, "bits": 4},
+                f"quant_method='{m}' is not supported; dpserve serves .* W8A8-INT8",
+            )
+            for m in unserved
+        ),
         ({"quant_method": "fp8", "activation_scheme": "static"}, "weight_block_size=None"),
     ):
         (bad / "config.json").write_text(json.dumps(config | {"quantization_config": quant}))
@@ -365,3 +372,37 @@ def test_int8_checkpoints_say_what_they_need(int8_models, tmp_path):
         Exception, match=rf"{name} has shape \(3, 1\), but .* in a scale per row \(w8a8_int8\) needs"
     ):
         Engine(model_path=str(bad), device="cpu", dtype="float32", kv_cache_memory_gb=0.002)
+
+
+def test_8_bit_weights_through_chunks_prefix_hits_and_retraction(
+    engine_cache, fp8_models, fp8_references, int8_models, prompts, tmp_path
+):
+    """Chunks of 8 tokens per group, every prompt twice side by side (prefix-cache hits), a pool
+    small enough to retract, at (2,2) DP attention: block FP8 gives transformers' tokens and
+    logprobs as without them, and W8A8-INT8 its rounded reference's within INT8_BOUND."""
+    options = dict(
+        tp_size=2,
+        dp_size=2,
+        enable_dp_attention=True,
+        chunked_prefill_size=16,
+        max_total_tokens=SMALL_POOL,
+        load_balance_method="round_robin",
+    )
+    int8_refs = hf_greedy_reference(
+        dequantized_8bit_copy(int8_models["deepseek_v3"], tmp_path / "int8"),
+        prompts,
+        NEW_TOKENS,
+        Int8Activations(INT8_KEEP, {"down_proj": 2}),
+        near_tie=INT8_NEAR_TIE,
+    )
+    for path, refs, extra, atol in (
+        (fp8_models["deepseek_v3"], fp8_references["deepseek_v3"], {}, 1e-4),
+        (int8_models["deepseek_v3"], int8_refs, {"quantization": "w8a8_int8"}, INT8_BOUND),
+    ):
+        engine = engine_cache.get(path, **options, **extra)
+        before = sum(m["retractions"] for m in engine.get_metrics())
+        outs = engine.generate(input_ids=prompts * 2, sampling_params=GREEDY, return_logprob=True)
+        for k in range(2):
+            assert_matches_reference(outs[k * len(prompts) : (k + 1) * len(prompts)], refs, atol=atol)
+        assert sum(m["retractions"] for m in engine.get_metrics()) > before
+        assert sum(o["meta_info"]["cached_tokens"] for o in outs) > 0
