@@ -20,6 +20,7 @@ instance then agree on the smallest pool (`agree_min`), so every rank of a group
 
 from __future__ import annotations
 
+import ctypes
 import math
 
 import torch
@@ -150,3 +151,15 @@ def moe_chunk_rows(
     top_k expert intermediates and outputs (the fused kernels' [rows * top_k, inter] and
     [rows * top_k, hidden] buffers)."""
     return chunk_rows(4 * (hidden + 2 * experts) + top_k * (inter + hidden) * elem_bytes, budget)
+
+
+def release_freed_host_memory() -> None:
+    """Hands the heap's freed pages back to the OS (glibc's malloc_trim; nothing elsewhere): loading
+    frees the temporaries it read, widened or quantized, but the allocator keeps their pages
+    resident, so a rank's RSS would stay above its weights by the load's high-water mark."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    if hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)

@@ -18,7 +18,13 @@ from dpserve.config import EngineConfig
 from dpserve.distributed import SENT, Groups, all_reduce
 from dpserve.kvcache.pool import KVPool
 from dpserve.layers.linear import pack_linears_for_cpu
-from dpserve.memory import agree_min, kv_budget_bytes, param_bytes, pool_token_bytes
+from dpserve.memory import (
+    agree_min,
+    kv_budget_bytes,
+    param_bytes,
+    pool_token_bytes,
+    release_freed_host_memory,
+)
 from dpserve.models.base import CausalLM
 from dpserve.models.batch import ForwardBatch
 from dpserve.models.config import ModelConfig
@@ -46,6 +52,7 @@ def load_model(cfg: EngineConfig, model_cfg: ModelConfig, groups: Groups, device
         torch.set_default_dtype(previous)
     quantized = BlockScales(model_cfg.quant, model) if model_cfg.quant else None
     load_weights(model.weights(), cfg.model_path, show_progress=groups.topo.rank == 0, quantized=quantized)
+    release_freed_host_memory()
     return model
 
 
