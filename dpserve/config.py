@@ -175,6 +175,13 @@ class EngineConfig:
         positive=True,
         section="memory and scheduling",
     )
+    kv_cache_dtype: str = option(
+        "auto",
+        "the KV cache's element type (SGLang's flag): auto keeps it in the model's dtype (--dtype); "
+        "fp8_e4m3 and fp8_e5m2 (one byte per element, twice the tokens) are refused at start-up: the "
+        "8-bit KV cache is not built yet",
+        choices=("auto", "fp8_e4m3", "fp8_e5m2"),
+    )
     kv_cache_memory_gb: float | None = option(
         None,
         "KV budget per rank in GiB (default: 0.25 on CPU; on GPU from --mem-fraction-static)",
@@ -415,6 +422,11 @@ class EngineConfig:
                 f"moe_a2a_backend=all_to_all dispatches rows to expert-parallel ranks under DP attention: it "
                 f"needs enable_dp_attention and ep_size=tp_size (got enable_dp_attention="
                 f"{self.enable_dp_attention}, ep_size={self.ep_size}, tp_size={tp})"
+            )
+        if self.kv_cache_dtype != "auto":
+            raise ValueError(
+                f"kv_cache_dtype={self.kv_cache_dtype}: an 8-bit KV cache is not built yet; auto keeps the "
+                f"KV cache in the model's dtype (--dtype {self.dtype})"
             )
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank={self.node_rank} must be in [0, nnodes={self.nnodes})")
