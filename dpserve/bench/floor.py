@@ -19,6 +19,7 @@ shares the same cores, so it bounds any layout; across N devices divide it by N.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -55,13 +56,22 @@ class Machine:
     def __init__(self, dtype: torch.dtype, device: str = "cpu", reps: int = 7):
         self.dtype, self.device, self.reps = dtype, device, reps
         self._linear: dict[tuple[int, int, int, torch.dtype], dict[str, float]] = {}
-        big = torch.empty(256 * MiB, dtype=torch.uint8, device=device)
+
+    @functools.cached_property
+    def bandwidth(self) -> float:
+        """Bytes per second of a large copy (read + write), measured when first asked for."""
+        big = torch.empty(256 * MiB, dtype=torch.uint8, device=self.device)
         dst = torch.empty_like(big)
-        self.bandwidth = 2 * big.numel() / self._time(lambda: dst.copy_(big))  # read + write
+        return 2 * big.numel() / self._time(lambda: dst.copy_(big))
+
+    @functools.cached_property
+    def peak_flops(self) -> float:
+        """FLOP/s of a large square matmul in the machine's dtype, measured when first asked for (a
+        minute or more where bfloat16 is emulated)."""
         n = 2048
-        a = torch.randn(n, n, dtype=dtype, device=device)
-        b = torch.randn(n, n, dtype=dtype, device=device)
-        self.peak_flops = 2 * n**3 / self._time(lambda: a @ b)
+        a = torch.randn(n, n, dtype=self.dtype, device=self.device)
+        b = torch.randn(n, n, dtype=self.dtype, device=self.device)
+        return 2 * n**3 / self._time(lambda: a @ b)
 
     def _time(self, fn) -> float:
         if self.device == "cuda":
