@@ -27,6 +27,7 @@ class Reference:
     output_ids: list[int]
     logprobs: list[float]  # log_softmax of the raw logits for the chosen token, per step
     compare_len: int  # leading steps safe to compare: up to the first near-tie or eos-suppressed step
+    margins: list[float] = field(default_factory=list)  # top-2 logit gap per step (greedy references)
 
 
 @functools.lru_cache(maxsize=8)
@@ -72,7 +73,8 @@ def hf_greedy_reference(
         # min_new_tokens masks eos, so a step whose raw argmax is eos diverges from plain greedy.
         unsafe = (ambiguous | (top2.indices[:, 0] != new_ids)).nonzero()
         compare_len = int(unsafe[0]) if len(unsafe) else len(new_ids)
-        refs.append(Reference(new_ids.tolist(), chosen.tolist(), compare_len))
+        margins = (top2.values[:, 0] - top2.values[:, 1]).tolist()
+        refs.append(Reference(new_ids.tolist(), chosen.tolist(), compare_len, margins))
     return refs
 
 
