@@ -511,13 +511,15 @@ constexpr int64_t kDotStep = 16;
 #else
 constexpr int64_t kDotStep = 1;
 #endif
+// The 8-bit linears' register tile (int8 and FP8 alike): a tile of weight rows widened once, then
+// its dots with every token, kTokenTile tokens at a time.
 constexpr int64_t kRowTile = 4;    // weight rows sharing each load of an activation row
 constexpr int64_t kTokenTile = 3;  // activation rows sharing each load of a weight row (12 accumulators)
 
 // dots[t * kRowTile + r] = xq[t] . wq[r] for TT rows of xq and kRowTile rows of wq, each `k` int16
 // values (k a multiple of kDotStep, zero-padded).
 template <int64_t TT>
-inline void int8_dots(const int16_t* xq, const int16_t* wq, int64_t k, int32_t* dots) {
+inline void tile_dots(const int16_t* xq, const int16_t* wq, int64_t k, int32_t* dots) {
 #if defined(__AVX2__)
   __m256i acc[TT][kRowTile];
   for (int64_t t = 0; t < TT; ++t)
@@ -538,6 +540,31 @@ inline void int8_dots(const int16_t* xq, const int16_t* wq, int64_t k, int32_t* 
       dots[t * kRowTile + r] = acc;
     }
 #endif
+}
+
+// dots[t * kRowTile + r] = x[t] . w[r] over k floats (k a multiple of Vec::kWidth, zero-padded).
+template <int64_t TT>
+inline void tile_dots(const float* x, const float* w, int64_t k, float* dots) {
+  Vec acc[TT][kRowTile];
+  for (int64_t t = 0; t < TT; ++t)
+    for (int64_t r = 0; r < kRowTile; ++r) acc[t][r] = Vec::zero();
+  for (int64_t j = 0; j < k; j += Vec::kWidth) {
+    for (int64_t r = 0; r < kRowTile; ++r) {
+      const Vec wv = Vec::load(w + r * k + j);
+      for (int64_t t = 0; t < TT; ++t) acc[t][r] = Vec::fma(Vec::load(x + t * k + j), wv, acc[t][r]);
+    }
+  }
+  for (int64_t t = 0; t < TT; ++t)
+    for (int64_t r = 0; r < kRowTile; ++r) dots[t * kRowTile + r] = acc[t][r].sum();
+}
+
+// dots[t * kRowTile + r] = x[t] . wide[r] for every token of x (rows of kp values) and a tile's
+// kRowTile widened weight rows; `tile_dots` for int16 (int8) or float (FP8) values.
+template <typename X, typename D>
+inline void every_token_dots(const X* x, int64_t tokens, const X* wide, int64_t kp, D* dots) {
+  int64_t t = 0;
+  for (; t + kTokenTile <= tokens; t += kTokenTile) tile_dots<kTokenTile>(x + t * kp, wide, kp, dots + t * kRowTile);
+  for (; t < tokens; ++t) tile_dots<1>(x + t * kp, wide, kp, dots + t * kRowTile);
 }
 
 template <typename T>
@@ -576,10 +603,7 @@ void int8_linear_kernel(const at::Tensor& x, const at::Tensor& wq, const at::Ten
         int16_t* row = wide.data() + r * kp;
         for (int64_t j = 0; j < k; ++j) row[j] = src[j];
       }
-      int64_t t = 0;
-      for (; t + kTokenTile <= tokens; t += kTokenTile)
-        int8_dots<kTokenTile>(xq.data() + t * kp, wide.data(), kp, dots.data() + t * kRowTile);
-      for (; t < tokens; ++t) int8_dots<1>(xq.data() + t * kp, wide.data(), kp, dots.data() + t * kRowTile);
+      every_token_dots(xq.data(), tokens, wide.data(), kp, dots.data());
       for (int64_t t = 0; t < tokens; ++t)
         for (int64_t r = 0; r < rows; ++r) {
           float v = static_cast<float>(dots[t * kRowTile + r]) * x_scale[t] * ws[r0 + r];
@@ -590,21 +614,31 @@ void int8_linear_kernel(const at::Tensor& x, const at::Tensor& wq, const at::Ten
   });
 }
 
+// What the 8-bit linears share around their kernels: x [..., k] as contiguous rows [m, k], a float32
+// bias of n, and the output [m, n] in x's dtype, filled by kernel(T{}, rows, bias or nullptr, out)
+// and returned as [..., n].
+template <typename F>
+at::Tensor linear_rows(const char* name, const at::Tensor& x, int64_t n, const c10::optional<at::Tensor>& bias,
+                       F&& kernel) {
+  TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->numel() == n), name, ": a float32 bias per weight row");
+  const at::Tensor rows = x.reshape({-1, x.size(-1)}).contiguous();
+  const at::Tensor b = bias ? bias->contiguous() : at::Tensor();
+  at::Tensor out = at::empty({rows.size(0), n}, x.options());
+  dispatch(x.scalar_type(), name, [&](auto tag) { kernel(tag, rows, bias ? b.data_ptr<float>() : nullptr, out); });
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  return out.view(shape);
+}
+
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& w_scale,
                        const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(wq.scalar_type() == at::kChar && wq.dim() == 2 && wq.is_contiguous(), "int8_linear: contiguous int8 weight [n, k]");
   TORCH_CHECK(x.size(-1) == wq.size(1), "int8_linear: x [..., k] against weight [n, k]");
   TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.numel() == wq.size(0), "int8_linear: a float32 scale per weight row");
-  TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->numel() == wq.size(0)), "int8_linear: a float32 bias per weight row");
-  const at::Tensor x2 = x.reshape({-1, x.size(-1)}).contiguous(), sc = w_scale.contiguous();
-  at::Tensor out = at::empty({x2.size(0), wq.size(0)}, x.options());
-  const at::Tensor b = bias ? bias->contiguous() : at::Tensor();
-  dispatch(x.scalar_type(), "int8_linear", [&](auto tag) {
-    int8_linear_kernel<decltype(tag)>(x2, wq, sc, bias ? b.data_ptr<float>() : nullptr, out);
+  const at::Tensor sc = w_scale.contiguous();
+  return linear_rows("int8_linear", x, wq.size(0), bias, [&](auto tag, const at::Tensor& rows, const float* b, at::Tensor& out) {
+    int8_linear_kernel<decltype(tag)>(rows, wq, sc, b, out);
   });
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = wq.size(0);
-  return out.view(shape);
 }
 
 // Block-FP8 weight-only linear (DeepSeek-V3's format): out = x @ W.T (+ bias) with W[i, j] = q[i, j] *
@@ -654,25 +688,6 @@ void fp8_row_dots(const float* x, int64_t k, const uint8_t* codes, const float* 
   for (int64_t t = 0; t < tokens; ++t) out[t] = total[t];
 }
 
-constexpr int64_t kFloatRowTile = 4;    // weight rows sharing each load of a token's row
-constexpr int64_t kFloatTokenTile = 3;  // tokens sharing each load of a weight row
-
-// dots[t * kFloatRowTile + r] = x[t] . w[r] over k floats (k a multiple of Vec::kWidth, zero-padded).
-template <int64_t TT>
-inline void float_dots(const float* x, const float* w, int64_t k, float* dots) {
-  Vec acc[TT][kFloatRowTile];
-  for (int64_t t = 0; t < TT; ++t)
-    for (int64_t r = 0; r < kFloatRowTile; ++r) acc[t][r] = Vec::zero();
-  for (int64_t j = 0; j < k; j += Vec::kWidth) {
-    for (int64_t r = 0; r < kFloatRowTile; ++r) {
-      const Vec wv = Vec::load(w + r * k + j);
-      for (int64_t t = 0; t < TT; ++t) acc[t][r] = Vec::fma(Vec::load(x + t * k + j), wv, acc[t][r]);
-    }
-  }
-  for (int64_t t = 0; t < TT; ++t)
-    for (int64_t r = 0; r < kFloatRowTile; ++r) dots[t * kFloatRowTile + r] = acc[t][r].sum();
-}
-
 template <typename T>
 void fp8_linear_kernel(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& row_block,
                        const at::Tensor& col_block, const float* bias, at::Tensor& out) {
@@ -711,12 +726,12 @@ void fp8_linear_kernel(const at::Tensor& x, const at::Tensor& q, const at::Tenso
     });
     return;
   }
-  const int64_t tiles = (n + kFloatRowTile - 1) / kFloatRowTile;
+  const int64_t tiles = (n + kRowTile - 1) / kRowTile;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> wide(kFloatRowTile * kp, 0.f);  // rows past n stay zero
-    std::vector<float> dots(tokens * kFloatRowTile);
+    std::vector<float> wide(kRowTile * kp, 0.f);  // rows past n stay zero
+    std::vector<float> dots(tokens * kRowTile);
     for (int64_t tile = begin; tile < end; ++tile) {
-      const int64_t r0 = tile * kFloatRowTile, rows = std::min(kFloatRowTile, n - r0);
+      const int64_t r0 = tile * kRowTile, rows = std::min(kRowTile, n - r0);
       for (int64_t r = 0; r < rows; ++r) {
         const uint8_t* src = qs + (r0 + r) * k;
         const float* row_scales = sc + rb[r0 + r] * blocks;
@@ -726,13 +741,10 @@ void fp8_linear_kernel(const at::Tensor& x, const at::Tensor& q, const at::Tenso
           for (int64_t j = run_start[run]; j < run_start[run + 1]; ++j) w[j] = fp8_e4m3_value(src[j]) * block_scale;
         }
       }
-      int64_t t = 0;
-      for (; t + kFloatTokenTile <= tokens; t += kFloatTokenTile)
-        float_dots<kFloatTokenTile>(xf.data() + t * kp, wide.data(), kp, dots.data() + t * kFloatRowTile);
-      for (; t < tokens; ++t) float_dots<1>(xf.data() + t * kp, wide.data(), kp, dots.data() + t * kFloatRowTile);
+      every_token_dots(xf.data(), tokens, wide.data(), kp, dots.data());
       for (int64_t t = 0; t < tokens; ++t)
         for (int64_t r = 0; r < rows; ++r) {
-          float v = dots[t * kFloatRowTile + r];
+          float v = dots[t * kRowTile + r];
           if (bias) v += bias[r0 + r];
           dst[t * n + r0 + r] = static_cast<T>(v);
         }
@@ -748,17 +760,10 @@ at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor
   TORCH_CHECK(row_block.scalar_type() == at::kLong && row_block.numel() == q.size(0) &&
                   col_block.scalar_type() == at::kLong && col_block.numel() == q.size(1),
               "fp8_linear: an int64 block index per weight row and column");
-  TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->numel() == q.size(0)), "fp8_linear: a float32 bias per weight row");
-  const at::Tensor x2 = x.reshape({-1, x.size(-1)}).contiguous(), sc = scale.contiguous();
-  const at::Tensor rb = row_block.contiguous(), cb = col_block.contiguous();
-  at::Tensor out = at::empty({x2.size(0), q.size(0)}, x.options());
-  const at::Tensor b = bias ? bias->contiguous() : at::Tensor();
-  dispatch(x.scalar_type(), "fp8_linear", [&](auto tag) {
-    fp8_linear_kernel<decltype(tag)>(x2, q.contiguous(), sc, rb, cb, bias ? b.data_ptr<float>() : nullptr, out);
+  const at::Tensor qc = q.contiguous(), sc = scale.contiguous(), rb = row_block.contiguous(), cb = col_block.contiguous();
+  return linear_rows("fp8_linear", x, q.size(0), bias, [&](auto tag, const at::Tensor& rows, const float* b, at::Tensor& out) {
+    fp8_linear_kernel<decltype(tag)>(rows, qc, sc, rb, cb, b, out);
   });
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = q.size(0);
-  return out.view(shape);
 }
 
 }  // namespace
