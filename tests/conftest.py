@@ -92,6 +92,27 @@ def engine_cache():
 
 
 SMALL_POOL = 96  # KV tokens per DP group of the engines that exercise memory pressure
+# (2,2) DP attention under memory pressure: chunks of 8 tokens per group, a pool small enough to
+# retract, requests dealt round robin.
+PRESSURE = {
+    "tp_size": 2,
+    "dp_size": 2,
+    "enable_dp_attention": True,
+    "chunked_prefill_size": 16,
+    "max_total_tokens": SMALL_POOL,
+    "load_balance_method": "round_robin",
+}
+
+
+def generate_under_pressure(engine: Engine, prompts: list[list[int]]) -> list[list[dict]]:
+    """Every prompt twice side by side (the second pass hits the prefix cache) on a PRESSURE engine:
+    each pass's greedy outputs with logprobs, once the engine is seen to retract and reuse cached
+    tokens."""
+    before = sum(m["retractions"] for m in engine.get_metrics())
+    outs = engine.generate(input_ids=prompts * 2, sampling_params=GREEDY, return_logprob=True)
+    assert sum(m["retractions"] for m in engine.get_metrics()) > before
+    assert sum(o["meta_info"]["cached_tokens"] for o in outs) > 0
+    return [outs[: len(prompts)], outs[len(prompts) :]]
 
 
 def engine_for(engine_cache, model_dirs, arch: str, tp: int, dp: int, **kwargs) -> Engine:

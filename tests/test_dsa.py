@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import GREEDY, KV_BUDGET_GB, SMALL_POOL, assert_matches_reference
+from conftest import GREEDY, KV_BUDGET_GB, PRESSURE, assert_matches_reference, generate_under_pressure
 
 from dpserve.attention.sdpa import SdpaBackend
 from dpserve.attention.triton_backend import TritonBackend
@@ -52,21 +52,8 @@ def test_chunks_prefix_hits_and_retraction(engine_cache, v32, v32_refs, prompts)
     """Chunks of 8 tokens per group (each chunk's queries see the earlier chunks' keys through the
     indexer), every prompt twice side by side (prefix-cache hits: cached indexer keys), a pool small
     enough to retract: the same tokens."""
-    engine = engine_cache.get(
-        v32,
-        tp_size=2,
-        dp_size=2,
-        enable_dp_attention=True,
-        chunked_prefill_size=16,
-        max_total_tokens=SMALL_POOL,
-        load_balance_method="round_robin",
-    )
-    before = sum(m["retractions"] for m in engine.get_metrics())
-    outs = engine.generate(input_ids=prompts * 2, sampling_params=GREEDY, return_logprob=True)
-    for k in range(2):
-        assert_matches_reference(outs[k * len(prompts) : (k + 1) * len(prompts)], v32_refs)
-    assert sum(m["retractions"] for m in engine.get_metrics()) > before
-    assert sum(o["meta_info"]["cached_tokens"] for o in outs) > 0
+    for outs in generate_under_pressure(engine_cache.get(v32, **PRESSURE), prompts):
+        assert_matches_reference(outs, v32_refs)
 
 
 def test_sparse_mla_on_the_paged_kernels(engine_cache, v32, v32_refs, prompts):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import GREEDY, NEW_TOKENS, SMALL_POOL, assert_matches_reference
+from conftest import GREEDY, NEW_TOKENS, PRESSURE, assert_matches_reference, generate_under_pressure
 from safetensors.torch import load_file, save_file
 
 from dpserve import cpu_ops
@@ -409,14 +409,6 @@ def test_8_bit_weights_through_chunks_prefix_hits_and_retraction(
     """Chunks of 8 tokens per group, every prompt twice side by side (prefix-cache hits), a pool
     small enough to retract, at (2,2) DP attention: block FP8 gives transformers' tokens and
     logprobs as without them, and W8A8-INT8 its rounded reference's (`assert_matches_rounded_reference`)."""
-    options = dict(
-        tp_size=2,
-        dp_size=2,
-        enable_dp_attention=True,
-        chunked_prefill_size=16,
-        max_total_tokens=SMALL_POOL,
-        load_balance_method="round_robin",
-    )
     int8_refs = hf_greedy_reference(
         dequantized_8bit_copy(int8_models["deepseek_v3"], tmp_path / "int8"),
         prompts,
@@ -432,10 +424,5 @@ def test_8_bit_weights_through_chunks_prefix_hits_and_retraction(
             assert_matches_rounded_reference,
         ),
     ):
-        engine = engine_cache.get(path, **options, **extra)
-        before = sum(m["retractions"] for m in engine.get_metrics())
-        outs = engine.generate(input_ids=prompts * 2, sampling_params=GREEDY, return_logprob=True)
-        for k in range(2):
-            check(outs[k * len(prompts) : (k + 1) * len(prompts)], refs)
-        assert sum(m["retractions"] for m in engine.get_metrics()) > before
-        assert sum(o["meta_info"]["cached_tokens"] for o in outs) > 0
+        for outs in generate_under_pressure(engine_cache.get(path, **PRESSURE, **extra), prompts):
+            check(outs, refs)

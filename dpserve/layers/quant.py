@@ -32,6 +32,7 @@ from dpserve import cpu_ops
 
 FP8 = torch.float8_e4m3fn
 INT8 = torch.int8
+QUANTIZED = (FP8, INT8)  # the dtypes of weights kept 8-bit
 PER_ROW = 1 << 40  # W8A8-INT8's block width: every column of a row shares its scale
 ROWS_PER_CHUNK = 256  # output rows widened at once on the CPU: a bounded scratch, never the whole weight
 
@@ -136,18 +137,17 @@ class QuantizedWeight:
 
 
 def quantized_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ W.T + bias for a quantized W, in x's dtype."""
+    """x @ W.T + bias for a quantized W, in x's dtype: the fused CPU kernels where they run (a
+    float32 bias), else their plain PyTorch forms."""
+    fused = cpu_ops.usable(x)
+    bias32 = None if bias is None else bias.float()
     if w.q.dtype == INT8:
         row_scale = w.scale[w.row_block, 0]  # W8A8-INT8: one block per row
-        if cpu_ops.usable(x):
-            return torch.ops.dpserve_cpu.int8_linear(
-                x, w.q, row_scale, None if bias is None else bias.float()
-            )
+        if fused:
+            return torch.ops.dpserve_cpu.int8_linear(x, w.q, row_scale, bias32)
         return int8_linear(x, w.q, row_scale, bias)
-    if cpu_ops.usable(x):
-        return torch.ops.dpserve_cpu.fp8_linear(
-            x, w.q, w.scale, w.row_block, w.col_block, None if bias is None else bias.float()
-        )
+    if fused:
+        return torch.ops.dpserve_cpu.fp8_linear(x, w.q, w.scale, w.row_block, w.col_block, bias32)
     return fp8_linear(x, w, bias)
 
 

@@ -29,9 +29,9 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from dpserve.layers.quant import (
-    FP8,
     INT8,
     PER_ROW,
+    QUANTIZED,
     QuantSpec,
     dequantize,
     quantize,
@@ -194,9 +194,6 @@ def read_order(weights: list[Weight], reader: CheckpointReader) -> list[list[Wei
     return out
 
 
-QUANTIZED = (FP8, INT8)  # the dtypes of weights kept 8-bit
-
-
 class BlockScales:
     """8-bit tensors (block FP8, per-row int8) as they are read: each rank's part with the scales of
     the blocks it touches (also when the part starts inside a block), widened for a destination in
@@ -204,7 +201,7 @@ class BlockScales:
     block indices are drawn once all its parts are read (`finish`)."""
 
     def __init__(self, spec: QuantSpec, model: torch.nn.Module):
-        self.spec, self.block, self.online = spec, spec.block, spec.online
+        self.spec = spec
         # Each quantized weight by its storage: (module, name), and the parts read into it.
         self.targets = {
             getattr(m, name).untyped_storage().data_ptr(): (m, name)
@@ -220,7 +217,7 @@ class BlockScales:
         if name not in r.file_of:
             raise ValueError(f"{w.name} is {self.spec.dtype} but the checkpoint has no {name}")
         rows, cols = r.slice(w.name).get_shape()
-        b0, b1 = self.block
+        b0, b1 = self.spec.block
         sl = r.slice(name)
         expected = (-(-rows // b0), -(-cols // b1))
         shape = tuple(sl.get_shape())
@@ -244,7 +241,7 @@ class BlockScales:
             raise ValueError(f"{w.name}: an 8-bit tensor read with a transform, padding or {part.dim()} dims")
         if part.dtype == self.spec.dtype:
             scale, r0, c0 = self.scales(w, r)
-        elif self.online and part.is_floating_point() and part.dtype not in QUANTIZED:
+        elif self.spec.online and part.is_floating_point() and part.dtype not in QUANTIZED:
             (part, scale), r0, c0 = quantize(part, self.spec), 0, 0
         else:
             raise ValueError(
@@ -252,7 +249,7 @@ class BlockScales:
                 f"({self.spec.dtype}): the checkpoint does not match its quantization"
             )
         if w.dest.dtype not in QUANTIZED:
-            b0, b1 = self.block
+            b0, b1 = self.spec.block
             rows = (r0 + torch.arange(part.shape[0])) // b0
             cols = (c0 + torch.arange(part.shape[1])) // b1
             return dequantize(part, scale, rows, cols, w.dest.dtype)
@@ -276,7 +273,7 @@ class BlockScales:
     def finish(self) -> None:
         """Each quantized weight's scale table ([experts, ] blocks touched, in row order) and its
         rows' and columns' blocks in it; every expert's parts lie alike."""
-        b0, b1 = self.block
+        b0, b1 = self.spec.block
         for key, (module, name) in self.targets.items():
             q = getattr(module, name)
             parts = self.parts.get(key, [])

@@ -69,12 +69,11 @@ def hf_greedy_reference(
         logits = torch.cat(out.logits)  # raw (unprocessed) logits, [steps, vocab]
         chosen = torch.log_softmax(logits, dim=-1).gather(1, new_ids[:, None])[:, 0]
         top2 = logits.topk(2, dim=-1)
-        ambiguous = (top2.values[:, 0] - top2.values[:, 1]) < near_tie
+        margins = top2.values[:, 0] - top2.values[:, 1]
         # min_new_tokens masks eos, so a step whose raw argmax is eos diverges from plain greedy.
-        unsafe = (ambiguous | (top2.indices[:, 0] != new_ids)).nonzero()
+        unsafe = ((margins < near_tie) | (top2.indices[:, 0] != new_ids)).nonzero()
         compare_len = int(unsafe[0]) if len(unsafe) else len(new_ids)
-        margins = (top2.values[:, 0] - top2.values[:, 1]).tolist()
-        refs.append(Reference(new_ids.tolist(), chosen.tolist(), compare_len, margins))
+        refs.append(Reference(new_ids.tolist(), chosen.tolist(), compare_len, margins.tolist()))
     return refs
 
 
