@@ -23,6 +23,7 @@ ATTENTION_BACKENDS = ("auto", "triton", "torch", "sdpa")
 SPECULATIVE_ALGORITHMS = ("NEXTN", "NGRAM")
 LOAD_BALANCE_METHODS = ("cache_aware", "minimum_tokens", "shortest_queue", "round_robin")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+KV_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 LOG_LEVELS = ("debug", "info", "warning", "error")
 SPEC_OPTIONS = ("speculative_num_steps", "speculative_num_draft_tokens")
 DEFAULT_RUNNING_PER_GROUP = 256  # without --max-running-requests
@@ -178,8 +179,10 @@ class EngineConfig:
     kv_cache_dtype: str = option(
         "auto",
         "the KV cache's element type (SGLang's flag): auto keeps it in the model's dtype (--dtype); "
-        "fp8_e4m3 and fp8_e5m2 (one byte per element, twice the tokens) are refused at start-up: the "
-        "8-bit KV cache is not built yet",
+        "fp8_e4m3 and fp8_e5m2 store one byte per element and a float32 scale per token and KV head, "
+        "computed as each token is written (no calibration, nothing saturates; a checkpoint's "
+        "per-tensor k_scale / v_scale are not needed): about twice the tokens. The torch and sdpa "
+        "attention backends read it; the Triton kernels do not yet (refused at start-up)",
         choices=("auto", "fp8_e4m3", "fp8_e5m2"),
     )
     kv_cache_memory_gb: float | None = option(
@@ -423,11 +426,6 @@ class EngineConfig:
                 f"needs enable_dp_attention and ep_size=tp_size (got enable_dp_attention="
                 f"{self.enable_dp_attention}, ep_size={self.ep_size}, tp_size={tp})"
             )
-        if self.kv_cache_dtype != "auto":
-            raise ValueError(
-                f"kv_cache_dtype={self.kv_cache_dtype}: an 8-bit KV cache is not built yet; auto keeps the "
-                f"KV cache in the model's dtype (--dtype {self.dtype})"
-            )
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank={self.node_rank} must be in [0, nnodes={self.nnodes})")
         if self.world_size % self.nnodes != 0:
@@ -534,6 +532,11 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """What the KV pool stores (an 8-bit pool keeps scales beside: kvcache/pool.py)."""
+        return KV_CACHE_DTYPES.get(self.kv_cache_dtype, self.torch_dtype)
 
     @property
     def num_drafts(self) -> int:

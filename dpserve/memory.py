@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dpserve.kvcache.pool import entry_bytes
+
 # Transient float32 copies and per-expert intermediates of the gathered rows (up to dp x the step's
 # tokens) are made a bounded chunk of rows at a time: about this many bytes per chunk.
 ACTIVATION_CHUNK_BYTES = 256 * 2**20
@@ -125,8 +127,8 @@ def swa_pool_tokens(
 
 
 def kv_bytes_per_token(num_layers: int, entry_shapes: list[tuple[int, ...]], dtype: torch.dtype) -> int:
-    """Bytes one token takes in one rank's pool, over `num_layers` layers."""
-    return num_layers * sum(math.prod(s) for s in entry_shapes) * dtype_bytes(dtype)
+    """Bytes one token takes in one rank's pool of `dtype` (the cache's), over `num_layers` layers."""
+    return num_layers * sum(entry_bytes(s, dtype) for s in entry_shapes)
 
 
 def agree_min(value: int, group: dist.ProcessGroup | None) -> int:

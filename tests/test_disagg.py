@@ -18,17 +18,17 @@ SHAPES = [(2, 4), (2, 4)]  # GQA: keys and values, 2 KV heads of 4
 WINDOW_LAYERS = frozenset({1})  # a hybrid pool: layer 1's rows are window slots
 
 
-def make_pool(shapes=SHAPES) -> KVPool:
-    return KVPool(3, 16, shapes, torch.float32, torch.device("cpu"), WINDOW_LAYERS, 8)
+def make_pool(shapes=SHAPES, cache_dtype: torch.dtype | None = None) -> KVPool:
+    return KVPool(3, 16, shapes, torch.float32, torch.device("cpu"), WINDOW_LAYERS, 8, cache_dtype)
 
 
-def receive(descriptors: mp.Queue, results: mp.Queue, shapes=SHAPES) -> None:
+def receive(descriptors: mp.Queue, results: mp.Queue, shapes=SHAPES, cache_dtype=None) -> None:
     """The decode side: registers a zeroed pool, hands out its descriptor, then its contents."""
-    pool = make_pool(shapes)
+    pool = make_pool(shapes, cache_dtype)
     transfer = KVTransfer("127.0.0.1")
     descriptors.put(transfer.register(pool).to_json())
     results.get()  # the writer is done
-    results.put([[buf.numpy().copy() for buf in layer] for layer in pool.layers])  # by value
+    results.put([buf.view(torch.uint8).numpy().copy() for buf in pool.buffers()])  # by value, as bytes
     transfer.close()
 
 
@@ -74,26 +74,25 @@ def test_the_transfer_benchmark_moves_every_byte(capsys):
 
 
 @contextlib.contextmanager
-def peer_pool(shapes=SHAPES):
-    """A random pool registered here and a zeroed one (`shapes`) in a peer process: yields (this
+def peer_pool(shapes=SHAPES, cache_dtype: torch.dtype | None = None):
+    """A random pool registered here and a zeroed one (`shapes`, `cache_dtype`) in a peer process: yields (this
     side's transfer engine and pool, the peer's descriptor, a function that ends the peer and
     returns its pool's buffers)."""
     ctx = mp.get_context("spawn")
     descriptors, results = ctx.Queue(), ctx.Queue()
-    peer = ctx.Process(target=receive, args=(descriptors, results, shapes), daemon=True)
+    peer = ctx.Process(target=receive, args=(descriptors, results, shapes, cache_dtype), daemon=True)
     peer.start()
     try:
-        pool = make_pool()
-        for layer in pool.layers:
-            for buf in layer:
-                buf.copy_(torch.randn(buf.shape))
+        pool = make_pool(cache_dtype=cache_dtype)
+        for buf in pool.buffers():
+            buf.view(torch.uint8).random_()
         transfer = KVTransfer("127.0.0.1")
         transfer.register(pool)
         target = PoolDescriptor.from_json(descriptors.get(timeout=60))
 
         def received() -> list[torch.Tensor]:
             results.put("done")
-            return [torch.from_numpy(buf) for layer in results.get(timeout=60) for buf in layer]
+            return [torch.from_numpy(buf) for buf in results.get(timeout=60)]
 
         yield transfer, pool, target, received
         transfer.close()
@@ -109,7 +108,7 @@ def test_rows_land_in_the_peers_pool():
         full, window = [0, 1, 4, 5], [2, 3]  # layers 0 and 2; layer 1's keys and values
         parts = [(full, [3, 4, 5, 9], [10, 11, 12, 2]), (window, [1, 2], [7, 5])]
         assert transfer.write(target, parts) == (4 * 4 + 2 * 2) * 2 * 4 * 4
-        buffers = [buf for layer in pool.layers for buf in layer]
+        buffers = [buf.view(torch.uint8) for buf in pool.buffers()]
         for i, (src, dst) in enumerate(zip(buffers, received(), strict=True)):
             expected = torch.zeros_like(dst)
             for _, s_slots, d_slots in (p for p in parts if i in p[0]):
@@ -119,18 +118,22 @@ def test_rows_land_in_the_peers_pool():
             transfer.write(PoolDescriptor(target.session, target.buffers[:2]), parts)
 
 
-def test_heads_are_resliced_into_a_narrower_row():
+@pytest.mark.parametrize("cache_dtype", [None, torch.float8_e4m3fn])
+def test_heads_are_resliced_into_a_narrower_row(cache_dtype):
     """Attention TP 1 (both KV heads per row) into the second rank of attention TP 2 (one head per
-    row): that rank's head lands in each destination slot, nothing else."""
-    with peer_pool([(1, 4), (1, 4)]) as (transfer, pool, target, received):
+    row): that rank's head lands in each destination slot, nothing else; an 8-bit pool's scale of
+    that head with its codes."""
+    with peer_pool([(1, 4), (1, 4)], cache_dtype) as (transfer, pool, target, received):
         [heads] = [h for k, h in reslice(1, 2, 2)[0] if k == 1]
         assert heads == HeadSlice(1, 0, 1, 2, 1)
         src, dst = [3, 4, 5], [6, 7, 9]
-        transfer.write(target, [([0, 1, 4, 5], src, dst)], heads)
-        mine = [b for layer in pool.layers for b in layer]
+        per_layer = len(pool.buffers(0))  # keys and values; with their scales in an 8-bit pool
+        full = [*range(per_layer), *range(2 * per_layer, 3 * per_layer)]  # layers 0 and 2
+        transfer.write(target, [(full, src, dst)], heads)
+        mine = [b.view(torch.uint8) for b in pool.buffers()]
         for i, (ours, theirs) in enumerate(zip(mine, received(), strict=True)):
             expected = torch.zeros_like(theirs)
-            if i in (0, 1, 4, 5):
+            if i in full:
                 expected[dst] = ours[src][:, 1:2]  # the second head
             assert torch.equal(theirs, expected), f"buffer {i}"
         with pytest.raises(ValueError, match="the peer's pool differs"):

@@ -92,6 +92,29 @@ def test_deepseek_v3_in_fp8_fits_one_node_of_h200(capsys):
     assert tp8["weight_bytes_per_rank"] < dp8["weight_bytes_per_rank"] < 0.75 * 141e9
 
 
+def test_planner_memory_of_an_8_bit_kv_cache(model_dirs):
+    """FP8 codes and a float32 scale per token and KV head, in the hybrid window pool (gpt-oss) and
+    beside V3.2's indexer keys: the planner counts the bytes and tokens a started engine holds."""
+    assert_planned_memory(model_dirs["gpt_oss"], 2, 2, True, KV_GB, kv_cache_dtype="fp8_e4m3")
+    assert_planned_memory(model_dirs["deepseek_v32"], 2, 2, True, KV_GB, kv_cache_dtype="fp8_e5m2")
+
+
+def test_an_8_bit_kv_cache_doubles_deepseek_v3s_tokens_on_h200(capsys):
+    """tp8 dp8 on 8 x H200: an 8-bit KV cache holds 1152 / 580 times the tokens per group (MLA's
+    576-wide latent + rope key per layer: 1 byte an element and a 4-byte scale, against bfloat16's
+    2), and the plan says the GPU's attention kernels do not read it yet."""
+    args = ["--model", "deepseek-v3", "--device", "cuda", "--device-profile", "h200", "--num-gpus", "8"]
+    figures = []
+    for kv in ("auto", "fp8_e4m3"):
+        assert plan_main([*args, "--layout", "8:8:attn", "--kv-cache-dtype", kv, "--json"]) == 0
+        plan = json.loads(capsys.readouterr().out)
+        figures.append(plan["layouts"][0])
+    auto, fp8 = figures
+    assert auto["kv_bytes_per_token"] == 61 * 576 * 2 and fp8["kv_bytes_per_token"] == 61 * 580
+    assert fp8["kv_tokens_per_group"] == pytest.approx(auto["kv_tokens_per_group"] * 1152 / 580, rel=1e-4)
+    assert any("the Triton attention kernels do not read an 8-bit KV cache" in n for n in plan["notes"])
+
+
 def test_planner_memory_with_the_hybrid_window_pool(model_dirs):
     """gpt-oss's window layers in a pool of their own, a quarter of the full one (over the floor
     of 8 running requests' windows and a 16-token chunk per group): more tokens for the full layers

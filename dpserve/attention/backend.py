@@ -16,6 +16,8 @@ from itertools import accumulate
 
 import torch
 
+from dpserve.kvcache.pool import take
+
 
 @dataclass
 class AttentionMetadata:
@@ -121,7 +123,7 @@ class AttentionBackend(ABC):
         h] * relu(scale * q[t, h] . keys[slot])`; -inf past the query or the request's length.
         q [tokens, heads, dim] and weights float32; returns [tokens, table width] float32. Here in
         torch over a gathered copy of the keys; the Triton backend reads them in place."""
-        cached = keys[table[token_req]].float()  # [tokens, width, dim]
+        cached = take(keys, table[token_req]).float()  # [tokens, width, dim]
         scores = torch.einsum("thd,tkd->thk", q, cached).mul_(scale).relu_()
         index = torch.einsum("th,thk->tk", weights, scores)
         k_pos = torch.arange(table.shape[1], device=q.device)

@@ -1,5 +1,5 @@
-"""The reference backend: each request's KV gathered from the pool into a [batch, max_seq_len]
-grid and PyTorch's scaled_dot_product_attention with a mask (causality and padding)."""
+"""The reference backend: each request's KV gathered from the pool (`take`: widened from an 8-bit
+pool) into a [batch, max_seq_len] grid and PyTorch's scaled_dot_product_attention with a mask (causality and padding)."""
 
 from __future__ import annotations
 
@@ -7,13 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from dpserve.attention.backend import AttentionBackend, AttentionMetadata
-
-
-def gather(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """cache[table] for a [slots, ...] pool and a [batch, kv_len] slot table: [batch, kv_len, ...].
-    index_select on the rows, flattened: ~10x faster on the CPU than advanced indexing."""
-    rows = cache.reshape(cache.shape[0], -1).index_select(0, table.reshape(-1))
-    return rows.view(*table.shape, *cache.shape[1:])
+from dpserve.kvcache.pool import take
 
 
 class SdpaBackend(AttentionBackend):
@@ -35,13 +29,13 @@ class SdpaBackend(AttentionBackend):
         )
 
     def mla(self, q, cache, meta, scale, v_dim):
-        kv = gather(cache, meta.state["slot_table"]).unsqueeze(1)  # [batch, 1, kv_max, latent + rope]
+        kv = take(cache, meta.state["slot_table"]).unsqueeze(1)  # [batch, 1, kv_max, latent + rope]
         return self._attend(q, kv, kv[..., :v_dim], meta, scale)
 
     def gqa(self, q, k_cache, v_cache, meta, scale, window=0, sinks=None):
         table = meta.state["slot_table"]
-        k = gather(k_cache, table).transpose(1, 2)  # [batch, kv_heads, kv_max, dim]
-        return self._attend(q, k, gather(v_cache, table).transpose(1, 2), meta, scale, window, sinks)
+        k = take(k_cache, table).transpose(1, 2)  # [batch, kv_heads, kv_max, dim]
+        return self._attend(q, k, take(v_cache, table).transpose(1, 2), meta, scale, window, sinks)
 
     @staticmethod
     def _attend(

@@ -21,6 +21,7 @@ import torch
 from dpserve import cpu_ops
 from dpserve.attention.backend import AttentionMetadata
 from dpserve.attention.sdpa import SdpaBackend, softmax_with_sinks
+from dpserve.kvcache.pool import ScaledKV, take
 
 
 class TorchBackend(SdpaBackend):
@@ -47,7 +48,7 @@ class TorchBackend(SdpaBackend):
             q,
             meta,
             v_dim,
-            lambda q_one, one: one[1].attend(q_one, cache.unsqueeze(1), None, v_dim, scale),
+            lambda q_one, one: one[1].attend(q_one, cache, None, v_dim, scale),
             lambda q_many, sub: super(TorchBackend, self).mla(q_many, cache, sub, scale, v_dim),
         )
 
@@ -114,12 +115,13 @@ class _Keys:
         window: int = 0,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Each row's one query q [n, heads, d] against its keys in caches [slots, kv_heads, d];
-        values from `v_cache`, or (MLA) the keys' first `v_dim` columns. Grouped-query attention
+        """Each row's one query q [n, heads, d] against its keys in caches [slots, kv_heads, d] (MLA:
+        [slots, d], one KV head); values from `v_cache`, or (MLA) the keys' first `v_dim` columns. Grouped-query attention
         runs the fused CPU kernel where it is built (no gathered copy of the keys; not for sliding
         windows or sinks); MLA's many heads on one latent are a matrix product, faster on oneDNN's
         kernels from batch 16 on (measured)."""
-        if v_cache is not None and not window and sinks is None and cpu_ops.usable(q):
+        fused = v_cache is not None and not window and sinks is None and not isinstance(k_cache, ScaledKV)
+        if fused and cpu_ops.usable(q):
             m = self.meta
             return torch.ops.dpserve_cpu.decode_attention(
                 q, k_cache, v_cache, m.req_to_token, m.req_idx, m.seq_lens, scale, v_dim
@@ -138,10 +140,10 @@ class _Keys:
     ) -> torch.Tensor:
         """`attend` in two batched matmuls over (row, KV head) pairs."""
         n, heads, d = q.shape
-        kv_heads = k_cache.shape[1]
+        kv_heads = k_cache.shape[1] if len(k_cache.shape) == 3 else 1
         rows = self.rows(kv_heads).reshape(-1)
         pairs = n * kv_heads  # (row, KV head): one matmul each, the KV head's query heads together
-        k = k_cache.reshape(-1, d).index_select(0, rows).view(pairs, -1, d)
+        k = take(k_cache, rows, d).view(pairs, -1, d)
         scores = torch.bmm(q.reshape(pairs, heads // kv_heads, d), k.transpose(1, 2)).view(n, heads, -1)
         scores = scores.float().mul_(scale).masked_fill_(self.padding[:, None, :], float("-inf"))
         if window:  # the query sits at seq_len - 1: keys before seq_len - window are out of sight
@@ -153,5 +155,5 @@ class _Keys:
         probs = probs.to(q.dtype).reshape(pairs, heads // kv_heads, -1)
         if v_cache is None:  # all the latent's columns: faster than a matmul on a strided slice
             return torch.bmm(probs, k)[..., :v_dim].reshape(n, heads, v_dim)
-        v = v_cache.reshape(-1, v_dim).index_select(0, rows).view(pairs, -1, v_dim)
+        v = take(v_cache, rows, v_dim).view(pairs, -1, v_dim)
         return torch.bmm(probs, v).view(n, heads, v_dim)

@@ -32,7 +32,7 @@ def make_pool(model_path: str, dtype: str, tokens: int) -> tuple[KVPool, int]:
     model, model_cfg, cfg = engine_model(model_path, dtype)
     shapes = model.kv_entry_shapes()
     pool = KVPool(model_cfg.num_layers, 2 * tokens, shapes, cfg.torch_dtype, torch.device("cpu"))
-    per_token = sum(buf.stride(0) * buf.element_size() for layer in pool.layers for buf in layer)
+    per_token = sum(buf.stride(0) * buf.element_size() for buf in pool.buffers())
     return pool, per_token
 
 
@@ -63,9 +63,8 @@ def run(model_path: str, dtype: str, tokens: int, run_len: int, repeat: int) -> 
     peer.start()
     try:
         pool, per_token = make_pool(model_path, dtype, tokens)
-        for layer in pool.layers:
-            for buf in layer:
-                buf.view(torch.uint8).random_()
+        for buf in pool.buffers():
+            buf.view(torch.uint8).random_()
         transfer = KVTransfer(HOST)
         transfer.register(pool)
         descriptor, peer_scratch = out.get(timeout=120)

@@ -140,7 +140,7 @@ class KVTransfer:
 
     def register(self, pool: KVPool) -> PoolDescriptor:
         """Registers every buffer of `pool` (once) and describes it for peers."""
-        buffers = [buf for layer in pool.layers for buf in layer]
+        buffers = pool.buffers()
         addrs = [b.data_ptr() for b in buffers]
         if self.engine.batch_register_memory(addrs, [b.nbytes for b in buffers]) != 0:
             raise RuntimeError(f"the transfer engine could not register the KV pool's {len(buffers)} buffers")

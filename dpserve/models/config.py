@@ -77,17 +77,23 @@ class ModelConfig:
         self.check_layout(cfg)
         missing = self.unbuilt(cfg)
         if missing:
-            raise ValueError(missing)
+            raise ValueError("; ".join(missing))
 
-    def unbuilt(self, cfg: EngineConfig) -> str | None:
+    def unbuilt(self, cfg: EngineConfig) -> list[str]:
         """What serving this model on `cfg`'s device needs that dpserve has not built yet: refused at
         start-up; the planner plans it and says so."""
+        out = []
         if self.quant is not None and cfg.device != "cpu":
-            return (
+            out.append(
                 f"{self.quant.method} weights are served on the CPU; their GPU kernels "
                 "(Triton block-FP8 and INT8 GEMMs and fused MoE) are not built yet"
             )
-        return None
+        if cfg.kv_cache_dtype != "auto" and cfg.attention_backend == "triton":
+            out.append(
+                f"kv_cache_dtype={cfg.kv_cache_dtype}: the Triton attention kernels do not read an 8-bit "
+                "KV cache yet; --attention-backend torch or sdpa does"
+            )
+        return out
 
     def check_layout(self, cfg: EngineConfig) -> None:
         """Raises ValueError naming the numbers, and the layouts that would work, when the engine's

@@ -12,7 +12,7 @@ from torch import nn
 from dpserve.attention.backend import AttentionBackend, AttentionMetadata
 from dpserve.config import EngineConfig
 from dpserve.distributed import Groups, Topology
-from dpserve.kvcache.pool import KVPool
+from dpserve.kvcache.pool import KVPool, take
 from dpserve.layers.linear import Linear
 from dpserve.layers.norm import RMSNorm
 from dpserve.layers.rotary import RotaryEmbedding, yarn_softmax_scale
@@ -178,7 +178,7 @@ class MLAAttention(nn.Module):
         """q [tokens, heads, nope + rope] of the multi-head requests against every key of theirs,
         expanded from the cached latent (`key_slots`: their pool slots in order); `keys_meta`
         reads those expanded keys as a pool of their own (row 0: padding)."""
-        cached = pool.layers[self.layer_id][0][key_slots]  # [keys, latent + rope]
+        cached = take(pool.layers[self.layer_id][0], key_slots)  # [keys, latent + rope]
         kv = self.kv_b_proj(cached[:, : self.rank]).view(-1, self.heads, self.nope + self.v_dim)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         k_pe = cached[:, None, self.rank :].expand(-1, self.heads, -1)

@@ -28,6 +28,7 @@ PLANNED_OPTIONS = (
     "ep_num_redundant_experts",
     "mem_fraction_static",
     "kv_cache_memory_gb",
+    "kv_cache_dtype",
     "max_total_tokens",
     "max_running_requests",
     "chunked_prefill_size",

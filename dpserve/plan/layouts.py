@@ -260,7 +260,7 @@ def layout_memory(
     out.weight_bytes = param_bytes(model)
     window = 0 if cfg.disable_hybrid_swa_memory else model.window
     out.kv_bytes_per_token, out.window_bytes_per_token = pool_token_bytes(
-        model.kv_layers, len(model.window_layers) if window else 0, model.kv_entry_shapes(), dtype
+        model.kv_layers, len(model.window_layers) if window else 0, model.kv_entry_shapes(), cfg.kv_dtype
     )
     out.comp = components(model)
     if cfg.device == "cuda" and cfg.max_total_tokens is None and cfg.kv_cache_memory_gb is None:

@@ -249,8 +249,8 @@ def header_line(plan: Plan) -> str:
 def notes(plan: Plan) -> list[str]:
     """Sentences under the table: what dpserve has not built for this plan yet, the hybrid pool."""
     first = next((lp.mem for lp in plan.layouts if lp.mem.valid), None)
-    unbuilt = first and plan.model_cfg.unbuilt(first.cfg)
-    out = [f"planned, but refused at start-up today: {unbuilt}"] if unbuilt else []
+    unbuilt = plan.model_cfg.unbuilt(first.cfg) if first else []
+    out = [f"planned, but refused at start-up today: {'; '.join(unbuilt)}"] if unbuilt else []
     return out + [n for n in (window_note(plan),) if n]
 
 

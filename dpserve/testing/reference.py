@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import random
+import sys
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -13,6 +14,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, PreTrainedModel, RepetitionPenaltyLogitsProcessor
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from dpserve.models.config import read_hf_config
 from dpserve.sampling_params import SamplingParams
@@ -48,14 +50,16 @@ def hf_greedy_reference(
     max_new_tokens: int,
     int8_activations: Int8Activations | None = None,
     near_tie: float = NEAR_TIE,
+    kv_cache_dtype: torch.dtype | None = None,
 ) -> list[Reference]:
     """Greedy-decode each prompt alone (batch 1, no padding) with transformers in float32.
-    `int8_activations`: W8A8-INT8's activation rounding (`Int8Activations`); steps whose top-2
-    logits are closer than `near_tie` end the comparison."""
+    `int8_activations`: W8A8-INT8's activation rounding (`Int8Activations`); `kv_cache_dtype`: an
+    8-bit KV cache's rounding (`kv_cache_rounding`); steps whose top-2 logits are closer than
+    `near_tie` end the comparison."""
     model = _load_model(str(Path(model_dir).resolve()))
     refs = []
     for prompt in prompts:
-        with int8_activation_rounding(model, int8_activations):
+        with int8_activation_rounding(model, int8_activations), kv_cache_rounding(model, kv_cache_dtype):
             out = model.generate(
                 torch.tensor([prompt]),
                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
@@ -127,6 +131,51 @@ def int8_activation_rounding(model: PreTrainedModel, rounding: Int8Activations |
         F.linear = linear
         for k, c in configs.items():
             c._experts_implementation = implementations[k]
+
+
+def round_rows_8bit(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x with each row of its last dim stored as `dtype` codes of the row's largest magnitude scaled
+    to the format's largest value, and read back."""
+    amax = x.abs().amax(-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / torch.finfo(dtype).max, 1.0)
+    return (x / scale).to(dtype).float() * scale
+
+
+@contextlib.contextmanager
+def kv_cache_rounding(model: PreTrainedModel, dtype: torch.dtype | None) -> Iterator[None]:
+    """While inside, what `model` caches is rounded as an 8-bit KV cache of `dtype` stores it (None:
+    unchanged): per token and KV head for keys and values (the eager attention's inputs, the cached
+    rows included: rounding is idempotent), per token over the latent and rope key together for
+    MLA (the inputs of transformers' `expand_kv`)."""
+    if dtype is None:
+        yield
+        return
+    mla = [m for m in model.modules() if hasattr(m, "expand_kv")]
+
+    def eager(module, query, key, value, *args, **kwargs):
+        forward = sys.modules[type(module).__module__].eager_attention_forward
+        if module in mla:
+            return forward(module, query, key, value, *args, **kwargs)
+        return forward(
+            module, query, round_rows_8bit(key, dtype), round_rows_8bit(value, dtype), *args, **kwargs
+        )
+
+    def rounded_expand(expand):
+        def expand_kv(latent: torch.Tensor, k_rot: torch.Tensor):
+            rows = round_rows_8bit(torch.cat([latent, k_rot], dim=-1), dtype)
+            return expand(*rows.split([latent.shape[-1], k_rot.shape[-1]], dim=-1))
+
+        return expand_kv
+
+    for m in mla:
+        m.expand_kv = rounded_expand(m.expand_kv)
+    ALL_ATTENTION_FUNCTIONS["eager"] = eager
+    try:
+        yield
+    finally:
+        del ALL_ATTENTION_FUNCTIONS["eager"]
+        for m in mla:
+            del m.expand_kv
 
 
 def reference_logits(

@@ -39,15 +39,24 @@ class NextNDrafter:
         capacity: int,
         num_steps: int,
         context_len: int,
+        cache_dtype: torch.dtype,
     ):
-        """`capacity`: the main pool's tokens (the MTP pool mirrors its slots)."""
+        """`capacity`: the main pool's tokens (the MTP pool mirrors its slots); `cache_dtype`: what
+        the pools store."""
         self.model, self.req_to_token, self.policy = model, req_to_token, policy
         self.num_steps, self.context_len = num_steps, context_len
         # Scratch slots past the pool's real ones: num_steps - 1 per request-table row.
         self.scratch_base = capacity + 1
         scratch = (req_to_token.shape[0] - 1) * (num_steps - 1)
         dtype = model.lm_head.dtype
-        self.pool = KVPool(1, capacity + scratch, model.kv_entry_shapes(), dtype, req_to_token.device)
+        self.pool = KVPool(
+            1,
+            capacity + scratch,
+            model.kv_entry_shapes(),
+            dtype,
+            req_to_token.device,
+            cache_dtype=cache_dtype,
+        )
         self.seconds = 0.0  # the MTP forwards of the last step
 
     def run(self, batch: DraftBatch, sizes: list[DraftSizes], hidden: torch.Tensor) -> list[list[int]]:

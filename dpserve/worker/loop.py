@@ -228,6 +228,7 @@ class Worker:
                 runner.max_total_num_tokens,
                 cfg.speculative_num_steps,
                 model_cfg.context_len,
+                cfg.kv_dtype,
             )
         self.out, self.scheduler, self.requests = out, None, None
         self.transfer, self.link, self.nextn = None, None, cfg.speculative_algorithm == "NEXTN"
@@ -293,7 +294,7 @@ class Worker:
         local = self.transfer.register(self.runner.pool).to_json()
         # The pool's buffers, layer by layer: window layers' rows go to window slots (hybrid pool),
         # the others' to full slots.
-        per_layer = len(self.runner.pool.layers[0])
+        per_layer = len(self.runner.pool.buffers(0))
         layer_of = [i // per_layer for i in range(len(self.transfer.local.buffers))]
         windowed = self.runner.window_layers
         self.full_buffers = [i for i, layer in enumerate(layer_of) if layer not in windowed]

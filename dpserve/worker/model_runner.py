@@ -86,7 +86,7 @@ class ModelRunner:
         self.window = 0 if cfg.disable_hybrid_swa_memory else self.model.window
         self.window_layers = self.model.window_layers if self.window else frozenset()
         self.kv_bytes_per_token, self.window_bytes_per_token = pool_token_bytes(
-            self.model.kv_layers, len(self.window_layers), self.kv_shapes, self.dtype
+            self.model.kv_layers, len(self.window_layers), self.kv_shapes, cfg.kv_dtype
         )
         # Pool slot of every position of every running request, kept alike on every rank of the group:
         # each step writes only its new slots (row 0 stays zero for padded rows).
@@ -114,6 +114,7 @@ class ModelRunner:
             device,
             self.window_layers,
             self.window_tokens,
+            cfg.kv_dtype,
         )
         logger.info(
             "dp_rank %d attn_tp_rank %d: weights %.1f MiB, activation peak %.1f MiB, KV budget holds %d "
@@ -176,7 +177,14 @@ class ModelRunner:
         group (all ranks together: the forward joins every WORLD collective), on a temporary pool."""
         batch = peak_step(self.cfg, self.model_cfg.context_len)
         n = batch.num_tokens
-        pool = KVPool(self.model_cfg.num_layers, n, self.kv_shapes, self.dtype, self.device)
+        pool = KVPool(
+            self.model_cfg.num_layers,
+            n,
+            self.kv_shapes,
+            self.dtype,
+            self.device,
+            cache_dtype=self.cfg.kv_dtype,
+        )
         topo = self.topo
         layout = StepLayout(
             "sum_len",
