@@ -19,6 +19,7 @@ from dpserve.attention.triton_kernels import (
     extend_attention,
     launch_config,
 )
+from dpserve.kvcache.pool import KVPool, take
 from dpserve.triton_setup import tl, triton
 
 TOL = dict(atol=1e-4, rtol=1e-4)
@@ -208,6 +209,52 @@ def test_fused_cpu_decode_kernel(dtype, heads, kv_heads, dim, v_dim):
     for out, tol in zip((fused, matmuls), tols, strict=True):
         assert out.dtype == dtype and out.shape == ref.shape
         torch.testing.assert_close(out.float(), ref, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("heads,kv_heads,dim,v_dim", [(9, 3, 64, 64), (12, 2, 40, 24)])
+def test_fused_cpu_decode_kernel_reads_an_8_bit_cache(dtype, cache_dtype, heads, kv_heads, dim, v_dim):
+    """An 8-bit pool's codes widened inside the fused kernel, each (slot, KV head)'s scales applied
+    to its scores and probabilities: as SDPA over the widened cache (what `take` reads), across key
+    blocks, for both FP8 formats (every code among the random values' rows)."""
+    assert cpu_ops.load()
+    meta, num_slots = make_meta([600, 1, 257, 40], [1, 1, 1, 1], pad=2, width=700)
+    pool = KVPool(
+        1,
+        num_slots - 1,
+        [(kv_heads, dim), (kv_heads, v_dim)],
+        dtype,
+        torch.device("cpu"),
+        cache_dtype=cache_dtype,
+    )
+    g = torch.Generator().manual_seed(4)
+    slots = torch.arange(num_slots)
+    spread = torch.logspace(-2, 1, num_slots)[:, None, None]  # scales over three orders of magnitude
+    pool.write(
+        0,
+        slots,
+        torch.randn(num_slots, kv_heads, dim, generator=g) * spread,
+        torch.randn(num_slots, kv_heads, v_dim, generator=g),
+    )
+    k, v = pool.layers[0]
+    q = torch.randn(meta.num_tokens, heads, dim, generator=g).to(dtype)
+    scale = dim**-0.5
+    ref_backend = SdpaBackend()
+    m = AttentionMetadata(**{**meta.__dict__, "state": {}})
+    ref_backend.prepare(m)
+    widened = [c.codes.float() * c.scales for c in (k, v)]
+    ref = ref_backend.gqa(q.float(), *widened, m, scale)
+    keys = _Keys(meta)
+    fused = keys.attend(q, k, v, v_dim, scale)
+    assert fused.dtype == dtype and fused.shape == ref.shape
+    torch.testing.assert_close(
+        fused.float(), ref, **(TOL if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2))
+    )
+    if dtype == torch.float32:  # bfloat16 matmuls round scores and probabilities (the test above)
+        torch.testing.assert_close(keys.matmuls(q, k, v, v_dim, scale), ref, **TOL)
+    # what the other readers widen to (`take`): the codes times their scales, in the model's dtype
+    torch.testing.assert_close(take(k, slots), widened[0].to(dtype), rtol=0, atol=0)
 
 
 @triton.jit

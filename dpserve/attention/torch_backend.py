@@ -117,14 +117,16 @@ class _Keys:
     ) -> torch.Tensor:
         """Each row's one query q [n, heads, d] against its keys in caches [slots, kv_heads, d] (MLA:
         [slots, d], one KV head); values from `v_cache`, or (MLA) the keys' first `v_dim` columns. Grouped-query attention
-        runs the fused CPU kernel where it is built (no gathered copy of the keys; not for sliding
-        windows or sinks); MLA's many heads on one latent are a matrix product, faster on oneDNN's
+        runs the fused CPU kernel where it is built (no gathered copy of the keys, an 8-bit cache's
+        codes widened as they are read; not for sliding windows or sinks); MLA's many heads on one latent are a matrix product, faster on oneDNN's
         kernels from batch 16 on (measured)."""
-        fused = v_cache is not None and not window and sinks is None and not isinstance(k_cache, ScaledKV)
-        if fused and cpu_ops.usable(q):
+        if v_cache is not None and not window and sinks is None and cpu_ops.usable(q):
             m = self.meta
+            caches, scales = (k_cache, v_cache), (None, None)
+            if isinstance(k_cache, ScaledKV):  # FP8 codes, widened inside the kernel
+                caches, scales = (k_cache.codes, v_cache.codes), (k_cache.scales, v_cache.scales)
             return torch.ops.dpserve_cpu.decode_attention(
-                q, k_cache, v_cache, m.req_to_token, m.req_idx, m.seq_lens, scale, v_dim
+                q, *caches, m.req_to_token, m.req_idx, m.seq_lens, scale, v_dim, *scales
             )
         return self.matmuls(q, k_cache, v_cache, v_dim, scale, window, sinks)
 

@@ -20,6 +20,27 @@ namespace {
 
 constexpr int64_t kKeyBlock = 256;  // keys scored at once (online softmax across blocks)
 
+// FP8 codes to float32, exactly: their sign, exponent and mantissa bits placed in a float32's, times
+// 2^(127 - bias) (subnormals included). kMantissa 3: float8_e4m3fn (bias 7); 2: float8_e5m2 (bias
+// 15). No weight or KV code is NaN or inf: both are scaled to the format's largest finite value.
+template <int kMantissa>
+constexpr float kFp8Factor = kMantissa == 3 ? 0x1p120f : 0x1p112f;
+
+template <int kMantissa>
+inline float fp8_value(uint8_t v) {
+  const uint32_t bits = (uint32_t(v & 0x80) << 24) | (uint32_t(v & 0x7f) << (23 - kMantissa));
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f * kFp8Factor<kMantissa>;
+}
+
+// An 8-bit KV cache's code, read by the attention kernel as any other cache element type.
+template <int kMantissa>
+struct Fp8 {
+  uint8_t bits;
+  explicit operator float() const { return fp8_value<kMantissa>(bits); }
+};
+
 // A float32 vector register: AVX-512 or AVX2 where the compiler targets them (-march=native), else
 // one lane. Loads widen bfloat16 and float16 to float32.
 #if defined(__AVX512F__)
@@ -34,13 +55,16 @@ struct Vec {
     return {_mm512_castsi512_ps(_mm512_slli_epi32(wide, 16))};
   }
   static Vec load(const c10::Half* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))}; }
-  // float8_e4m3fn codes to float32 (fp8_e4m3_value below, a lane at a time)
+  // FP8 codes to float32 (fp8_value, a lane at a time)
+  template <int M = 3>
   static Vec load_fp8(const uint8_t* p) {
     const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     const __m512i bits = _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(v, _mm512_set1_epi32(0x80)), 24),
-                                         _mm512_slli_epi32(_mm512_and_si512(v, _mm512_set1_epi32(0x7f)), 20));
-    return {_mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(0x1p120f))};
+                                         _mm512_slli_epi32(_mm512_and_si512(v, _mm512_set1_epi32(0x7f)), 23 - M));
+    return {_mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(kFp8Factor<M>))};
   }
+  template <int M>
+  static Vec load(const Fp8<M>* p) { return load_fp8<M>(reinterpret_cast<const uint8_t*>(p)); }
   void store(float* p) const { _mm512_storeu_ps(p, v); }
   static Vec fma(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
   Vec operator*(Vec b) const { return {_mm512_mul_ps(v, b.v)}; }
@@ -78,12 +102,15 @@ struct Vec {
     return {_mm256_castsi256_ps(_mm256_slli_epi32(wide, 16))};
   }
   static Vec load(const c10::Half* p) { return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))}; }
+  template <int M = 3>
   static Vec load_fp8(const uint8_t* p) {
     const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
     const __m256i bits = _mm256_or_si256(_mm256_slli_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0x80)), 24),
-                                         _mm256_slli_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0x7f)), 20));
-    return {_mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(0x1p120f))};
+                                         _mm256_slli_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0x7f)), 23 - M));
+    return {_mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(kFp8Factor<M>))};
   }
+  template <int M>
+  static Vec load(const Fp8<M>* p) { return load_fp8<M>(reinterpret_cast<const uint8_t*>(p)); }
   void store(float* p) const { _mm256_storeu_ps(p, v); }
   static Vec fma(Vec a, Vec b, Vec c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
   Vec operator*(Vec b) const { return {_mm256_mul_ps(v, b.v)}; }
@@ -116,7 +143,8 @@ struct Vec {
   static Vec set(float x) { return {x}; }
   template <typename T>
   static Vec load(const T* p) { return {static_cast<float>(*p)}; }
-  static Vec load_fp8(const uint8_t* p);
+  template <int M = 3>
+  static Vec load_fp8(const uint8_t* p) { return {fp8_value<M>(*p)}; }
   void store(float* p) const { *p = v; }
   static Vec fma(Vec a, Vec b, Vec c) { return {a.v * b.v + c.v}; }
   Vec operator*(Vec b) const { return {v * b.v}; }
@@ -237,17 +265,20 @@ void accumulate_block(const float* p, const T* const* values, int64_t nk, float*
 
 // One query per row. Row i attends to the first seq_lens[i] slots of req_to_token[req_idx[i]]; the
 // query heads of a KV head read each of its keys once. Work is split over (row, KV head, block of
-// query heads), so that one row with one KV head still keeps every thread busy.
-template <typename T>
+// query heads), so that one row with one KV head still keeps every thread busy. Caches of type C:
+// T, or FP8 codes (widened as they are read) with a float32 scale per (slot, KV head) (ks, vs; null
+// otherwise), applied to each key's scores and each value's probabilities.
+template <typename T, typename C>
 void decode_attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                              const at::Tensor& req_to_token, const at::Tensor& req_idx,
-                             const at::Tensor& seq_lens, double scale, int64_t v_dim, at::Tensor& out) {
+                             const at::Tensor& seq_lens, double scale, int64_t v_dim, const float* ks,
+                             const float* vs, at::Tensor& out) {
   const int64_t n = q.size(0), heads = q.size(1), d = q.size(2);
   const int64_t kv_heads = k_cache.size(1), group = heads / kv_heads;
   const int64_t table_stride = req_to_token.stride(0);
   const T* qp = q.const_data_ptr<T>();
-  const T* kp = k_cache.const_data_ptr<T>();
-  const T* vp = v_cache.const_data_ptr<T>();
+  const C* kp = static_cast<const C*>(k_cache.const_data_ptr());
+  const C* vp = static_cast<const C*>(v_cache.const_data_ptr());
   const int32_t* table = req_to_token.const_data_ptr<int32_t>();
   const int32_t* rows = req_idx.const_data_ptr<int32_t>();
   const int32_t* lens = seq_lens.const_data_ptr<int32_t>();
@@ -259,7 +290,8 @@ void decode_attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, con
   at::parallel_for(0, pairs * splits, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(per_split * d), scores(per_split * kKeyBlock), acc(per_split * v_dim);
     std::vector<float> run_max(per_split), run_sum(per_split);
-    std::vector<const T*> keys(kKeyBlock), values(kKeyBlock);
+    std::vector<float> key_scale(kKeyBlock), value_scale(kKeyBlock);
+    std::vector<const C*> keys(kKeyBlock), values(kKeyBlock);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t pair = task / splits, i = pair / kv_heads, h = pair % kv_heads;
       const int64_t g0 = (task % splits) * per_split, g1 = std::min(group, g0 + per_split), gs = g1 - g0;
@@ -277,13 +309,16 @@ void decode_attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, con
         const int64_t b1 = std::min(len, b0 + kKeyBlock);
         const int64_t nk = b1 - b0;
         for (int64_t l = 0; l < nk; ++l) {
-          const int64_t slot = slots[b0 + l];
-          keys[l] = kp + (slot * kv_heads + h) * d;
-          values[l] = vp + (slot * kv_heads + h) * v_dim;
+          const int64_t row = slots[b0 + l] * kv_heads + h;
+          keys[l] = kp + row * d;
+          values[l] = vp + row * v_dim;
+          if (ks) key_scale[l] = ks[row], value_scale[l] = vs[row];
         }
         score_block(qf.data(), gs, d, keys.data(), nk, static_cast<float>(scale), scores.data());
         for (int64_t g = 0; g < gs; ++g) {
           float* s = &scores[g * kKeyBlock];
+          if (ks)
+            for (int64_t l = 0; l < nk; ++l) s[l] *= key_scale[l];
           constexpr int64_t W = Vec::kWidth;
           int64_t l = 0;
           Vec vmax = Vec::set(run_max[g]);
@@ -307,6 +342,8 @@ void decode_attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, con
           run_max[g] = m;
           if (rescale != 1.f)
             for (int64_t j = 0; j < v_dim; ++j) acc[g * v_dim + j] *= rescale;
+          if (vs)  // each value's scale on its probability: acc sums p * scale * codes
+            for (l = 0; l < nk; ++l) s[l] *= value_scale[l];
         }
         for (int64_t g = 0; g < gs; ++g) accumulate_block(&scores[g * kKeyBlock], values.data(), nk, &acc[g * v_dim], v_dim);
       }
@@ -332,20 +369,39 @@ void dispatch(at::ScalarType dtype, const char* name, F&& f) {
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& req_to_token, const at::Tensor& req_idx, const at::Tensor& seq_lens,
-                            double scale, int64_t v_dim) {
+                            double scale, int64_t v_dim, const c10::optional<at::Tensor>& k_scale,
+                            const c10::optional<at::Tensor>& v_scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3, "decode_attention: q [n, heads, d], k_cache [slots, kv_heads, d]");
   TORCH_CHECK(k_cache.is_contiguous() && req_to_token.scalar_type() == at::kInt && req_to_token.stride(1) == 1,
               "decode_attention: a contiguous cache and an int32 request-to-slot table");
   TORCH_CHECK(q.size(2) == k_cache.size(2) && q.size(1) % k_cache.size(1) == 0, "decode_attention: head shapes");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
-              "decode_attention: q and the caches in one dtype");
   TORCH_CHECK(v_cache.is_contiguous() && v_cache.size(1) == k_cache.size(1) && v_cache.size(2) == v_dim,
               "decode_attention: v_cache [slots, kv_heads, v_dim]");
+  const at::ScalarType cache = k_cache.scalar_type();
+  const bool fp8 = cache == at::kFloat8_e4m3fn || cache == at::kFloat8_e5m2;
+  TORCH_CHECK(v_cache.scalar_type() == cache && (fp8 || cache == q.scalar_type()),
+              "decode_attention: the caches in q's dtype, or both FP8");
+  TORCH_CHECK(fp8 == (k_scale.has_value() && v_scale.has_value()),
+              "decode_attention: an FP8 cache takes k_scale and v_scale, another none");
+  const float *ks = nullptr, *vs = nullptr;
+  if (fp8) {
+    for (const at::Tensor* t : {&*k_scale, &*v_scale})
+      TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == k_cache.size(0) * k_cache.size(1),
+                  "decode_attention: scales float32 [slots, kv_heads, 1]");
+    ks = k_scale->const_data_ptr<float>(), vs = v_scale->const_data_ptr<float>();
+  }
   const at::Tensor qc = q.contiguous(), rows = req_idx.to(at::kInt).contiguous();
   const at::Tensor lens = seq_lens.to(at::kInt).contiguous();
   at::Tensor out = at::empty({q.size(0), q.size(1), v_dim}, q.options());
   dispatch(q.scalar_type(), "decode_attention", [&](auto tag) {
-    decode_attention_kernel<decltype(tag)>(qc, k_cache, v_cache, req_to_token, rows, lens, scale, v_dim, out);
+    using T = decltype(tag);
+    const auto run = [&](auto code) {
+      decode_attention_kernel<T, decltype(code)>(qc, k_cache, v_cache, req_to_token, rows, lens, scale, v_dim, ks,
+                                                 vs, out);
+    };
+    if (cache == at::kFloat8_e4m3fn) return run(Fp8<3>{});
+    if (cache == at::kFloat8_e5m2) return run(Fp8<2>{});
+    run(T{});
   });
   return out;
 }
@@ -646,19 +702,6 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& wq, const at::Tens
 // weight never exists widened whole), its products with every token summed in float32, rounded once
 // to x's dtype.
 
-// float8_e4m3fn to float32, exactly: its sign, exponent and mantissa bits placed in a float32's
-// (exponent bias 127 instead of 7, subnormals included), times 2^120. (NaN, 0x7f, is not a weight.)
-inline float fp8_e4m3_value(uint8_t v) {
-  const uint32_t bits = (uint32_t(v & 0x80) << 24) | (uint32_t(v & 0x7f) << 20);
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f * 0x1p120f;
-}
-
-#if !defined(__AVX512F__) && !(defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
-Vec Vec::load_fp8(const uint8_t* p) { return {fp8_e4m3_value(*p)}; }
-#endif
-
 // Up to this many tokens, each weight row is widened within the dot products (read once per token,
 // never stored); more share a tile widened once.
 constexpr int64_t kFusedTokens = 4;
@@ -681,7 +724,7 @@ void fp8_row_dots(const float* x, int64_t k, const uint8_t* codes, const float* 
     const float block_scale = row_scales[cb[lo]];
     for (int64_t t = 0; t < tokens; ++t) {
       float sum = acc[t].sum();
-      for (int64_t jj = j; jj < hi; ++jj) sum += fp8_e4m3_value(codes[jj]) * x[t * k + jj];
+      for (int64_t jj = j; jj < hi; ++jj) sum += fp8_value<3>(codes[jj]) * x[t * k + jj];
       total[t] += sum * block_scale;
     }
   }
@@ -738,7 +781,7 @@ void fp8_linear_kernel(const at::Tensor& x, const at::Tensor& q, const at::Tenso
         float* w = wide.data() + r * kp;
         for (size_t run = 0; run + 1 < run_start.size(); ++run) {
           const float block_scale = row_scales[cb[run_start[run]]];
-          for (int64_t j = run_start[run]; j < run_start[run + 1]; ++j) w[j] = fp8_e4m3_value(src[j]) * block_scale;
+          for (int64_t j = run_start[run]; j < run_start[run + 1]; ++j) w[j] = fp8_value<3>(src[j]) * block_scale;
         }
       }
       every_token_dots(xf.data(), tokens, wide.data(), kp, dots.data());
@@ -770,7 +813,7 @@ at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor
 
 TORCH_LIBRARY(dpserve_cpu, m) {
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor req_to_token, Tensor req_idx, "
-        "Tensor seq_lens, float scale, int v_dim) -> Tensor");
+        "Tensor seq_lens, float scale, int v_dim, Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("rotary(Tensor x, Tensor cos_sin, Tensor positions, bool interleaved) -> Tensor");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
