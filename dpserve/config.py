@@ -181,8 +181,9 @@ class EngineConfig:
         "the KV cache's element type (SGLang's flag): auto keeps it in the model's dtype (--dtype); "
         "fp8_e4m3 and fp8_e5m2 store one byte per element and a float32 scale per token and KV head, "
         "computed as each token is written (no calibration, nothing saturates; a checkpoint's "
-        "per-tensor k_scale / v_scale are not needed): about twice the tokens. The torch and sdpa "
-        "attention backends read it; the Triton kernels do not yet (refused at start-up)",
+        "per-tensor k_scale / v_scale are not needed): about twice the tokens. Every attention backend "
+        "reads the codes in place (the Triton kernels with integer-only widening, so GPUs without FP8 "
+        "too)",
         choices=("auto", "fp8_e4m3", "fp8_e5m2"),
     )
     kv_cache_memory_gb: float | None = option(

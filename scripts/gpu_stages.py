@@ -145,11 +145,15 @@ def attention_meta(seq_lens: list[int], q_lens: list[int], device: str):
     return meta, sum(seq_lens) + 1
 
 
-def attention_error(kind: str, meta, slots: int, scale: Scale) -> float:
-    """Triton's output against the sdpa backend's on the same inputs (max abs error)."""
+def attention_error(
+    kind: str, meta, slots: int, scale: Scale, cache_dtype: torch.dtype | None = None
+) -> float:
+    """Triton's output against the sdpa backend's on the same inputs (max abs error); with
+    `cache_dtype`, the caches written to an 8-bit pool of it first (both read its codes and scales)."""
     from dpserve.attention.backend import AttentionMetadata
     from dpserve.attention.sdpa import SdpaBackend
     from dpserve.attention.triton_backend import TritonBackend
+    from dpserve.kvcache.pool import KVPool
 
     dev, dtype = scale.device, scale.kernel_dtype
     window, sinks = 0, None
@@ -163,6 +167,21 @@ def attention_error(kind: str, meta, slots: int, scale: Scale) -> float:
     else:
         q = torch.randn(meta.num_tokens, int(kind), 576, device=dev, dtype=dtype)
         cache = torch.randn(slots, 576, device=dev, dtype=dtype)
+    if cache_dtype is not None:
+        values = [k, v] if kind in ("gqa", "gpt-oss") else [cache]
+        pool = KVPool(
+            1,
+            slots - 1,
+            [tuple(x.shape[1:]) for x in values],
+            dtype,
+            torch.device(dev),
+            cache_dtype=cache_dtype,
+        )
+        pool.write(0, torch.arange(slots, device=dev), *values)
+        if kind in ("gqa", "gpt-oss"):
+            k, v = pool.layers[0]
+        else:
+            [cache] = pool.layers[0]
     outs = []
     for backend in (SdpaBackend(), TritonBackend()):
         m = AttentionMetadata(**{**meta.__dict__, "state": {}})
@@ -202,7 +221,7 @@ def index_error(meta, slots: int, scale: Scale) -> float:
 
 def kernels(scale: Scale) -> str:
     """Triton attention (MLA 512+64 at every heads-per-latent of the DeepSeek family, GQA, gpt-oss's
-    windows and sinks; decode and extend), DeepSeek-V3.2's indexer scores, and the fused MoE (per-rank expert shapes of V3) against the torch paths."""
+    windows and sinks; decode and extend; an 8-bit KV cache in both FP8 formats), DeepSeek-V3.2's indexer scores, and the fused MoE (per-rank expert shapes of V3) against the torch paths."""
     from dpserve.layers.fused_moe import fused_experts
     from dpserve.layers.mlp import experts_loop, swiglu_clamped
 
@@ -214,6 +233,12 @@ def kernels(scale: Scale) -> str:
         meta, slots = attention_meta(seq_lens, q_lens, dev)
         kinds = (*map(str, scale.mla_heads), "gqa", "gpt-oss")
         errors = {k: attention_error(k, meta, slots, scale) for k in kinds}
+        # --kv-cache-dtype: the kernels widen FP8 codes in place (integer ops: sm80 as well)
+        errors |= {
+            f"{k}-{name}": attention_error(k, meta, slots, scale, dtype)
+            for k in (str(scale.mla_heads[-1]), "gqa")
+            for name, dtype in (("e4m3", torch.float8_e4m3fn), ("e5m2", torch.float8_e5m2))
+        }
         worst = max(errors.values())
         expect(worst < scale.tol, failures, f"{step} attention error {worst:.2e}")
         figures.append(f"{step} " + " ".join(f"{k}:{e:.1e}" for k, e in errors.items()))

@@ -67,20 +67,37 @@ def run_both(fn, meta):
     return got[0]
 
 
-def mla_case(heads, latent, rope, seq_lens, q_lens, pad=0, seed=0):
+def scaled(cache_dtype, *values: torch.Tensor) -> list:
+    """`values` [slots, ...] written to an 8-bit pool of `cache_dtype` (as they are when None)."""
+    if cache_dtype is None:
+        return list(values)
+    shapes = [tuple(v.shape[1:]) for v in values]
+    pool = KVPool(
+        1, values[0].shape[0] - 1, shapes, torch.float32, torch.device("cpu"), cache_dtype=cache_dtype
+    )
+    pool.write(0, torch.arange(values[0].shape[0]), *values)
+    return pool.layers[0]
+
+
+def mla_case(heads, latent, rope, seq_lens, q_lens, pad=0, seed=0, cache_dtype=None):
     meta, num_slots = make_meta(seq_lens, q_lens, pad, seed=seed)
     g = torch.Generator().manual_seed(seed + 1)
-    cache = torch.randn(num_slots, latent + rope, generator=g)
+    [cache] = scaled(cache_dtype, torch.randn(num_slots, latent + rope, generator=g))
     q = torch.randn(meta.num_tokens, heads, latent + rope, generator=g)
     scale = (latent + rope) ** -0.5
     return run_both(lambda b, m: b.mla(q, cache, m, scale, latent), meta)
 
 
-def gqa_case(heads, kv_heads, dim, seq_lens, q_lens, pad=0, seed=0, v_dim=None, window=0, sinks=False):
+def gqa_case(
+    heads, kv_heads, dim, seq_lens, q_lens, pad=0, seed=0, v_dim=None, window=0, sinks=False, cache_dtype=None
+):
     meta, num_slots = make_meta(seq_lens, q_lens, pad, seed=seed)
     g = torch.Generator().manual_seed(seed + 1)
-    k = torch.randn(num_slots, kv_heads, dim, generator=g)
-    v = torch.randn(num_slots, kv_heads, v_dim or dim, generator=g)
+    k, v = scaled(
+        cache_dtype,
+        torch.randn(num_slots, kv_heads, dim, generator=g),
+        torch.randn(num_slots, kv_heads, v_dim or dim, generator=g),
+    )
     q = torch.randn(meta.num_tokens, heads, dim, generator=g)
     s = 2 * torch.randn(heads, generator=g) if sinks else None
     return run_both(lambda b, m: b.gqa(q, k, v, m, dim**-0.5, window, s), meta)
@@ -122,6 +139,17 @@ def test_mla_multi_head_form(lens):
 
 
 MIXED = ([30, 5, 12, 40, 3], [1, 5, 1, 9, 1])  # decode rows riding along prefill chunks
+
+
+@pytest.mark.parametrize("lens", [DECODE, EXTEND, MIXED], ids=["decode", "extend", "mixed"])
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+def test_every_backend_reads_an_8_bit_cache(lens, cache_dtype):
+    """An 8-bit pool's codes and scales, read by each backend (Triton's kernels in place, with
+    integer-only widening; the CPU kernel; SDPA's gathered grid): MLA's latent + rope under one
+    scale per token, GQA with a window and sinks, keys wider than values."""
+    mla_case(4, 32, 16, *lens, pad=2, cache_dtype=cache_dtype)
+    gqa_case(8, 2, 32, *lens, pad=2, window=6, sinks=True, cache_dtype=cache_dtype)
+    gqa_case(6, 2, 96, *lens, pad=1, v_dim=40, cache_dtype=cache_dtype)
 
 
 def test_mixed_one_and_many_query_requests():

@@ -11,6 +11,7 @@ from conftest import GREEDY, KV_BUDGET_GB, PRESSURE, assert_matches_reference, g
 
 from dpserve.attention.sdpa import SdpaBackend
 from dpserve.attention.triton_backend import TritonBackend
+from dpserve.kvcache.pool import KVPool
 from dpserve.models.config import ModelConfig
 from dpserve.testing.reference import hf_greedy_reference
 
@@ -67,11 +68,14 @@ def test_sparse_mla_on_the_paged_kernels(engine_cache, v32, v32_refs, prompts):
     assert_matches_reference(outs, v32_refs[:3])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_index_kernel_equals_the_torch_path(dtype):
+@pytest.mark.parametrize(
+    "dtype,cache_dtype", [(torch.float32, None), (torch.bfloat16, None), (torch.float32, torch.float8_e4m3fn)]
+)
+def test_index_kernel_equals_the_torch_path(dtype, cache_dtype):
     """The Triton indexer scores (in the interpreter) against the torch path on shuffled pool slots:
     prefill and decode queries, a chunk after a prefix, a padded one-token row, heads and dims that
-    are not powers of two, a table wider than any request; -inf exactly where the query may not look."""
+    are not powers of two, a table wider than any request; -inf exactly where the query may not look;
+    an 8-bit pool's keys read in place."""
     g = torch.Generator().manual_seed(0)
     seq_lens, q_lens, width, heads, dim = [70, 5, 33, 1], [70, 1, 9, 1], 96, 6, 40
     slots = torch.randperm(sum(seq_lens), generator=g) + 1
@@ -86,6 +90,10 @@ def test_index_kernel_equals_the_torch_path(dtype):
     q = torch.randn(n, heads, dim, generator=g)
     weights = torch.randn(n, heads, generator=g)
     keys = torch.randn(sum(seq_lens) + 1, dim, generator=g).to(dtype)
+    if cache_dtype is not None:
+        pool = KVPool(1, sum(seq_lens), [(dim,)], dtype, torch.device("cpu"), cache_dtype=cache_dtype)
+        pool.write(0, torch.arange(len(keys)), keys)
+        keys = pool.layers[0][0]
     args = (q, weights, keys, table, token_req, q_pos, torch.tensor(seq_lens, dtype=torch.int32), dim**-0.5)
     ref = SdpaBackend().index_scores(*args)
     got = TritonBackend().index_scores(*args)

@@ -20,7 +20,6 @@ from conftest import (
     generate_under_pressure,
 )
 
-from dpserve import Engine
 from dpserve.config import KV_CACHE_DTYPES
 from dpserve.kvcache.pool import KVPool, ScaledKV, entry_bytes, take
 from dpserve.models.config import ModelConfig
@@ -74,7 +73,8 @@ def test_a_pool_entry_keeps_each_rows_values_within_half_a_code(kv):
 
 
 # (arch, tp, dp, extra): GQA and MLA; the CPU backend's matmuls and the reference backend; DP attention
-# with MLA's multi-head prefill; sinks and gpt-oss's hybrid window pool; GLM-4.5's MTP layer drafting.
+# with MLA's multi-head prefill; sinks and gpt-oss's hybrid window pool; GLM-4.5's MTP layer drafting;
+# the GPU's Triton kernels (in the interpreter here).
 CASES = [
     ("llama", 1, 1, "fp8_e4m3", {}),
     ("deepseek_v3", 2, 2, "fp8_e4m3", {}),
@@ -82,6 +82,7 @@ CASES = [
     ("qwen3_moe", 4, 2, "fp8_e4m3", {}),
     ("gpt_oss", 2, 2, "fp8_e4m3", {"swa_full_tokens_ratio": 0.5}),
     ("glm4_moe_mtp", 2, 2, "fp8_e5m2", NEXTN),
+    ("deepseek_v3", 1, 1, "fp8_e4m3", {"attention_backend": "triton", "dp_padding_mode": "sum_len"}),
 ]
 
 
@@ -118,13 +119,3 @@ def test_8_bit_kv_cache_holds_twice_the_tokens(engine_cache, model_dirs):
     assert fp8["kv_bytes_per_token"] == layers * (width + 4)
     for rank in (auto, fp8):
         assert rank["max_total_num_tokens"] == int(KV_BUDGET_GB * 2**30) // rank["kv_bytes_per_token"]
-
-
-def test_triton_backend_refuses_an_8_bit_kv_cache(model_dirs):
-    with pytest.raises(ValueError, match="the Triton attention kernels do not read an 8-bit KV cache yet"):
-        Engine(
-            model_path=model_dirs["llama"],
-            device="cpu",
-            attention_backend="triton",
-            kv_cache_dtype="fp8_e4m3",
-        )

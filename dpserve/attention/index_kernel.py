@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from dpserve.attention.triton_kernels import _dot_precision
+from dpserve.attention.triton_kernels import _dot_precision, _kv_scales, _load_kv, cache_parts
 from dpserve.triton_setup import INTERPRET, tl, triton
 
 BLOCK_N = 32 if INTERPRET else 64  # positions per program
@@ -23,6 +23,7 @@ def _index_kernel(
     Q,
     W,
     Keys,
+    KeyScales,
     Table,
     TokenReq,
     QPos,
@@ -34,6 +35,7 @@ def _index_kernel(
     stride_qh,
     stride_wt,
     stride_ks,
+    stride_kss,
     stride_tb,
     stride_ot,
     HEADS: tl.constexpr,
@@ -42,6 +44,7 @@ def _index_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
+    MANTISSA: tl.constexpr,  # an 8-bit pool's FP8 format (mantissa bits); 0 otherwise
 ):
     t = tl.program_id(0)
     nb = tl.program_id(1)
@@ -60,10 +63,13 @@ def _index_kernel(
         other=0.0,
     ).to(tl.float32)
     slots = tl.load(Table + req * stride_tb + offs_n, mask=visible, other=0).to(tl.int64)
-    k = tl.load(
+    ks = _kv_scales(KeyScales, slots, 0, stride_kss, 0, visible, MANTISSA)[None, :]
+    k = _load_kv(
         Keys + slots[None, :] * stride_ks + offs_d[:, None],
-        mask=visible[None, :] & mask_d[:, None],
-        other=0.0,
+        visible[None, :] & mask_d[:, None],
+        ks,
+        MANTISSA,
+        tl.float32,
     ).to(tl.float32)
     scores = tl.maximum(tl.dot(q, k, input_precision=PRECISION) * scale, 0.0)  # [heads, positions]
     w = tl.load(W + t.to(tl.int64) * stride_wt + offs_h, mask=mask_h, other=0.0)
@@ -86,10 +92,12 @@ def index_scores(
     scale: float,
 ) -> torch.Tensor:
     """q [tokens, heads, dim] (float32), weights [tokens, heads] (float32), keys [slots, dim] (the
-    pool's indexer cache), table [requests, width] (pool slots by position), token_req / q_pos
+    pool's indexer cache; an 8-bit pool's `ScaledKV` is read in place), table [requests, width] (pool slots by position), token_req / q_pos
     [tokens], seq_lens [requests]. Returns the index [tokens, width], float32."""
     n, heads, dim = q.shape
     width = table.shape[1]
+    precision = _dot_precision(keys.dtype)  # the model's (an 8-bit pool's readers widen to it)
+    keys, key_scales, mantissa = cache_parts(keys)
     out = torch.empty(n, width, dtype=torch.float32, device=q.device)
     if n == 0 or width == 0:
         return out
@@ -98,6 +106,7 @@ def index_scores(
         q,
         weights,
         keys,
+        key_scales,
         table,
         token_req,
         q_pos,
@@ -109,6 +118,7 @@ def index_scores(
         q.stride(1),
         weights.stride(0),
         keys.stride(0),
+        key_scales.stride(0),
         table.stride(0),
         out.stride(0),
         HEADS=heads,
@@ -116,6 +126,7 @@ def index_scores(
         BLOCK_H=max(16, triton.next_power_of_2(heads)),
         BLOCK_D=max(16, triton.next_power_of_2(dim)),
         BLOCK_N=BLOCK_N,
-        PRECISION=_dot_precision(keys.dtype),
+        PRECISION=precision,
+        MANTISSA=mantissa,
     )
     return out

@@ -3,11 +3,22 @@ request-to-slot table (see `triton_kernels`). Also runs on the CPU in Triton's i
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from dpserve.attention.backend import AttentionBackend, AttentionMetadata
 from dpserve.attention.index_kernel import index_scores
 from dpserve.attention.triton_kernels import decode_attention, extend_attention
+from dpserve.kvcache.pool import ScaledKV
+
+
+def one_kv_head(cache: torch.Tensor | ScaledKV, width: int | None = None) -> torch.Tensor | ScaledKV:
+    """MLA's cache [slots, latent + rope] as one KV head, [slots, 1, width] (its first `width`
+    columns; all by default): views, an 8-bit cache's codes and scales alike."""
+    if isinstance(cache, ScaledKV):
+        return dataclasses.replace(cache, codes=cache.codes[:, None, :width], scales=cache.scales[:, None])
+    return cache[:, None, :width]
 
 
 class TritonBackend(AttentionBackend):
@@ -20,7 +31,7 @@ class TritonBackend(AttentionBackend):
         self.num_kv_splits = num_kv_splits
 
     def mla(self, q, cache, meta, scale, v_dim):
-        return self._attend(q, cache[:, None, :], cache[:, None, :v_dim], meta, scale)
+        return self._attend(q, one_kv_head(cache), one_kv_head(cache, v_dim), meta, scale)
 
     def gqa(self, q, k_cache, v_cache, meta, scale, window=0, sinks=None):
         return self._attend(q, k_cache, v_cache, meta, scale, window, sinks)

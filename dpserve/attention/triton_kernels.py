@@ -34,7 +34,10 @@ from typing import Literal
 
 import torch
 
+from dpserve.kvcache.pool import ScaledKV
 from dpserve.triton_setup import INTERPRET, tl, triton
+
+FP8_MANTISSA = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}
 
 
 def _split_dim(d: int) -> tuple[int, int]:
@@ -185,6 +188,46 @@ def _add_sink(l_i, m_i, sink):
     return alpha, l_i * alpha + tl.exp(sink - m_new)
 
 
+@triton.jit
+def _widen_fp8(codes, MANTISSA: tl.constexpr):
+    """FP8 codes (uint8) to float32, exactly: sign, exponent and mantissa bits placed in a float32's,
+    times 2^(127 - bias), subnormals included; integer ops only, so any GPU (sm80 has no FP8
+    conversions) and the interpreter run it. MANTISSA: 3 for float8_e4m3fn, 2 for float8_e5m2."""
+    c = codes.to(tl.uint32)
+    f = (((c & 0x80) << 24) | ((c & 0x7F) << (23 - MANTISSA))).to(tl.float32, bitcast=True)
+    if MANTISSA == 3:
+        return f * 1.329227995784916e36  # 2^120: e4m3fn's exponent bias is 7
+    else:
+        return f * 5.192296858534828e33  # 2^112: e5m2's is 15
+
+
+@triton.jit
+def _kv_scales(Scales, slots, kv_head, stride_s, stride_h, mask, MANTISSA: tl.constexpr):
+    """The scales of a block's slots in an 8-bit pool (MANTISSA > 0); ones otherwise (never read)."""
+    if MANTISSA > 0:
+        return tl.load(Scales + slots * stride_s + kv_head * stride_h, mask=mask, other=0.0)
+    else:
+        return tl.full(slots.shape, 1.0, tl.float32)
+
+
+@triton.jit
+def _load_kv(ptr, mask, scales, MANTISSA: tl.constexpr, DTYPE: tl.constexpr):
+    """A tile of the pool as stored, or an 8-bit pool's codes widened and times `scales` (already
+    broadcast to the tile's shape), rounded to DTYPE (the model's) as `kvcache.pool.take` reads them."""
+    if MANTISSA > 0:
+        return (_widen_fp8(tl.load(ptr, mask=mask, other=0), MANTISSA) * scales).to(DTYPE)
+    else:
+        return tl.load(ptr, mask=mask, other=0.0)
+
+
+def cache_parts(cache: torch.Tensor | ScaledKV) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(what a kernel reads, its scales, MANTISSA): an 8-bit pool's codes as uint8 beside its scales
+    [slots, kv_heads, 1] and their format's mantissa bits; any other cache beside itself (unread) and 0."""
+    if isinstance(cache, ScaledKV):
+        return cache.codes.view(torch.uint8), cache.scales, FP8_MANTISSA[cache.codes.dtype]
+    return cache, cache, 0
+
+
 # num_splits follows the step's longest context: a runtime int, never specialized on (value 1,
 # divisibility by 16), so every context length runs the same compiled kernel.
 @triton.jit(do_not_specialize=["num_splits", "window"])
@@ -192,6 +235,8 @@ def _decode_split_kernel(
     Q,
     K,
     V,
+    KScale,
+    VScale,
     ReqToToken,
     ReqIdx,
     SeqLens,
@@ -206,6 +251,10 @@ def _decode_split_kernel(
     stride_kh,
     stride_vs,
     stride_vh,
+    stride_kss,
+    stride_ksh,
+    stride_vss,
+    stride_vsh,
     stride_rt,
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,  # query heads per KV head
@@ -221,6 +270,7 @@ def _decode_split_kernel(
     USE_DOT: tl.constexpr,  # BLOCK_H >= 16
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    MANTISSA: tl.constexpr,  # 8-bit pools: the FP8 format's mantissa bits; 0 otherwise
 ):
     b = tl.program_id(0)
     hp = tl.program_id(1)
@@ -243,6 +293,7 @@ def _decode_split_kernel(
     mask_dv = offs_dv < LV
     q_ptr = Q + b * stride_qb + heads[:, None] * stride_qh
     q = tl.load(q_ptr + offs_d[None, :], mask=mask_h[:, None] & mask_d[None, :], other=0.0)
+    DTYPE = Q.dtype.element_ty
     if BLOCK_DPE > 0:
         offs_dpe = BLOCK_D + tl.arange(0, BLOCK_DPE)
         mask_dpe = offs_dpe < LK
@@ -261,18 +312,22 @@ def _decode_split_kernel(
             mask_n = offs_n < end
             slots = tl.load(ReqToToken + row * stride_rt + offs_n, mask=mask_n, other=0).to(tl.int64)
             k_ptr = K + slots[None, :] * stride_ks + kv_head * stride_kh
-            k = tl.load(k_ptr + offs_d[:, None], mask=mask_n[None, :] & mask_d[:, None], other=0.0)
+            ks = _kv_scales(KScale, slots, kv_head, stride_kss, stride_ksh, mask_n, MANTISSA)[None, :]
+            k = _load_kv(k_ptr + offs_d[:, None], mask_n[None, :] & mask_d[:, None], ks, MANTISSA, DTYPE)
             if UPCAST:
                 k = k.to(tl.float32)
             qk = _mm(q, k, USE_DOT, PRECISION)
             if BLOCK_DPE > 0:
-                kpe = tl.load(k_ptr + offs_dpe[:, None], mask=mask_n[None, :] & mask_dpe[:, None], other=0.0)
+                kpe = _load_kv(
+                    k_ptr + offs_dpe[:, None], mask_n[None, :] & mask_dpe[:, None], ks, MANTISSA, DTYPE
+                )
                 if UPCAST:
                     kpe = kpe.to(tl.float32)
                 qk += _mm(qpe, kpe, USE_DOT, PRECISION)
             qk = tl.where(mask_h[:, None] & mask_n[None, :], qk * scale, float("-inf"))
             v_ptr = V + slots[:, None] * stride_vs + kv_head * stride_vh
-            v = tl.load(v_ptr + offs_dv[None, :], mask=mask_n[:, None] & mask_dv[None, :], other=0.0)
+            vs = _kv_scales(VScale, slots, kv_head, stride_vss, stride_vsh, mask_n, MANTISSA)[:, None]
+            v = _load_kv(v_ptr + offs_dv[None, :], mask_n[:, None] & mask_dv[None, :], vs, MANTISSA, DTYPE)
             if UPCAST:
                 v = v.to(tl.float32)
             m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -365,6 +420,7 @@ def decode_attention(
     captured graph it is the one chosen at capture (for the graph's bound), with its scratch.
     """
     batch, heads, lk = q.shape
+    (k_cache, k_scales, mantissa), (v_cache, v_scales, _) = cache_parts(k_cache), cache_parts(v_cache)
     kv_heads, lv = k_cache.shape[1], v_cache.shape[2]
     assert heads % kv_heads == 0 and k_cache.shape[2] == lk and out.shape == (batch, heads, lv)
     assert q.stride(2) == 1 and k_cache.stride(2) == 1 and v_cache.stride(2) == 1 and out.stride(2) == 1
@@ -388,6 +444,8 @@ def decode_attention(
         q,
         k_cache,
         v_cache,
+        k_scales,
+        v_scales,
         req_to_token,
         req_idx,
         seq_lens,
@@ -402,6 +460,10 @@ def decode_attention(
         k_cache.stride(1),
         v_cache.stride(0),
         v_cache.stride(1),
+        k_scales.stride(0),
+        k_scales.stride(1),
+        v_scales.stride(0),
+        v_scales.stride(1),
         req_to_token.stride(0),
         NUM_HEADS=heads,
         GROUP=heads // kv_heads,
@@ -417,6 +479,7 @@ def decode_attention(
         USE_DOT=launch.block_h >= 16,
         PRECISION=_dot_precision(q.dtype),
         UPCAST=_upcast(q.dtype),
+        MANTISSA=mantissa,
         num_warps=launch.num_warps,
         num_stages=launch.num_stages,
     )
@@ -444,6 +507,8 @@ def _extend_kernel(
     Q,
     K,
     V,
+    KScale,
+    VScale,
     Out,
     ReqToToken,
     ReqIdx,
@@ -458,6 +523,10 @@ def _extend_kernel(
     stride_kh,
     stride_vs,
     stride_vh,
+    stride_kss,
+    stride_ksh,
+    stride_vss,
+    stride_vsh,
     stride_ot,
     stride_oh,
     stride_rt,
@@ -472,6 +541,7 @@ def _extend_kernel(
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    MANTISSA: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -493,6 +563,7 @@ def _extend_kernel(
         mask_dv = offs_dv < LV
         q_ptr = Q + (q_first + offs_m[:, None]).to(tl.int64) * stride_qt + h * stride_qh
         q = tl.load(q_ptr + offs_d[None, :], mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+        DTYPE = Q.dtype.element_ty
         if BLOCK_DPE > 0:
             offs_dpe = BLOCK_D + tl.arange(0, BLOCK_DPE)
             mask_dpe = offs_dpe < LK
@@ -513,12 +584,15 @@ def _extend_kernel(
             mask_n = offs_n < end
             slots = tl.load(ReqToToken + row * stride_rt + offs_n, mask=mask_n, other=0).to(tl.int64)
             k_ptr = K + slots[None, :] * stride_ks + kv_head * stride_kh
-            k = tl.load(k_ptr + offs_d[:, None], mask=mask_n[None, :] & mask_d[:, None], other=0.0)
+            ks = _kv_scales(KScale, slots, kv_head, stride_kss, stride_ksh, mask_n, MANTISSA)[None, :]
+            k = _load_kv(k_ptr + offs_d[:, None], mask_n[None, :] & mask_d[:, None], ks, MANTISSA, DTYPE)
             if UPCAST:
                 k = k.to(tl.float32)
             qk = tl.dot(q, k, input_precision=PRECISION)
             if BLOCK_DPE > 0:
-                kpe = tl.load(k_ptr + offs_dpe[:, None], mask=mask_n[None, :] & mask_dpe[:, None], other=0.0)
+                kpe = _load_kv(
+                    k_ptr + offs_dpe[:, None], mask_n[None, :] & mask_dpe[:, None], ks, MANTISSA, DTYPE
+                )
                 if UPCAST:
                     kpe = kpe.to(tl.float32)
                 qk += tl.dot(qpe, kpe, input_precision=PRECISION)
@@ -527,7 +601,8 @@ def _extend_kernel(
                 visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
             qk = tl.where(visible, qk * scale, float("-inf"))
             v_ptr = V + slots[:, None] * stride_vs + kv_head * stride_vh
-            v = tl.load(v_ptr + offs_dv[None, :], mask=mask_n[:, None] & mask_dv[None, :], other=0.0)
+            vs = _kv_scales(VScale, slots, kv_head, stride_vss, stride_vsh, mask_n, MANTISSA)[:, None]
+            v = _load_kv(v_ptr + offs_dv[None, :], mask_n[:, None] & mask_dv[None, :], vs, MANTISSA, DTYPE)
             if UPCAST:
                 v = v.to(tl.float32)
             # A window can hide a whole block from a row: its max stays -inf, its terms 0.
@@ -579,6 +654,7 @@ def extend_attention(
     """
     tokens, heads, lk = q.shape
     batch = req_idx.shape[0]
+    (k_cache, k_scales, mantissa), (v_cache, v_scales, _) = cache_parts(k_cache), cache_parts(v_cache)
     kv_heads, lv = k_cache.shape[1], v_cache.shape[2]
     assert heads % kv_heads == 0 and k_cache.shape[2] == lk and out.shape == (tokens, heads, lv)
     assert q.stride(2) == 1 and k_cache.stride(2) == 1 and v_cache.stride(2) == 1 and out.stride(2) == 1
@@ -599,6 +675,8 @@ def extend_attention(
         q,
         k_cache,
         v_cache,
+        k_scales,
+        v_scales,
         out,
         req_to_token,
         req_idx,
@@ -613,6 +691,10 @@ def extend_attention(
         k_cache.stride(1),
         v_cache.stride(0),
         v_cache.stride(1),
+        k_scales.stride(0),
+        k_scales.stride(1),
+        v_scales.stride(0),
+        v_scales.stride(1),
         out.stride(0),
         out.stride(1),
         req_to_token.stride(0),
@@ -627,6 +709,7 @@ def extend_attention(
         PRECISION=_dot_precision(q.dtype),
         UPCAST=_upcast(q.dtype),
         HAS_SINKS=sinks is not None,
+        MANTISSA=mantissa,
         num_warps=launch.num_warps,
         num_stages=launch.num_stages,
     )

@@ -88,11 +88,6 @@ class ModelConfig:
                 f"{self.quant.method} weights are served on the CPU; their GPU kernels "
                 "(Triton block-FP8 and INT8 GEMMs and fused MoE) are not built yet"
             )
-        if cfg.kv_cache_dtype != "auto" and cfg.attention_backend == "triton":
-            out.append(
-                f"kv_cache_dtype={cfg.kv_cache_dtype}: the Triton attention kernels do not read an 8-bit "
-                "KV cache yet; --attention-backend torch or sdpa does"
-            )
         return out
 
     def check_layout(self, cfg: EngineConfig) -> None:
