@@ -84,6 +84,7 @@ CASES = [
     ("glm4_moe_mtp", 2, 2, "fp8_e5m2", NEXTN),
     ("deepseek_v3", 1, 1, "fp8_e4m3", {"attention_backend": "triton", "dp_padding_mode": "sum_len"}),
 ]
+FEW = 3  # prompts through Triton's interpreter, which is slow
 
 
 @pytest.mark.parametrize("arch,tp,dp,kv,extra", CASES, ids=lambda v: str(v))
@@ -91,8 +92,9 @@ def test_8_bit_kv_cache_matches_transformers_with_its_cache_rounded(
     engine_cache, model_dirs, prompts, rounded_references, arch, tp, dp, kv, extra
 ):
     engine = engine_for(engine_cache, model_dirs, arch, tp, dp, kv_cache_dtype=kv, **extra)
-    outs = engine.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True)
-    assert_matches_reference(outs, rounded_references[arch, kv], atol=CODE_FLIP)
+    n = FEW if extra.get("attention_backend") == "triton" else len(prompts)
+    outs = engine.generate(input_ids=prompts[:n], sampling_params=GREEDY, return_logprob=True)
+    assert_matches_reference(outs, rounded_references[arch, kv][:n], atol=CODE_FLIP)
 
 
 def test_8_bit_kv_cache_through_chunks_prefix_hits_and_retraction(

@@ -87,13 +87,14 @@ def test_gqa_kv_bytes_follow_attention_tp(model_dirs, engine_cache):
 @pytest.mark.parametrize("arch,tp,dp", [("deepseek_v2", 1, 1), ("deepseek_v2", 2, 2), ("llama", 1, 1)])
 def test_triton_backend_parity(engine_cache, model_dirs, prompts, references, arch, tp, dp):
     """The GPU attention kernels (in Triton's interpreter here) through the whole engine: prefill
-    by the extend kernel, padded decode steps by the split-K decode kernel."""
+    by the extend kernel, padded decode steps by the split-K decode kernel (three prompts: the
+    interpreter is slow)."""
     # sum_len: no start-up calibration, whose idle steps are slow in the interpreter.
     engine = engine_for(
         engine_cache, model_dirs, arch, tp, dp, attention_backend="triton", dp_padding_mode="sum_len"
     )
-    outputs = engine.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True)
-    assert_matches_reference(outputs, references[arch])
+    outputs = engine.generate(input_ids=prompts[:3], sampling_params=GREEDY, return_logprob=True)
+    assert_matches_reference(outputs, references[arch][:3])
     assert engine.get_server_info()["attention_backend"] == "triton"
 
 
@@ -130,9 +131,10 @@ def test_mla_multi_head_prefill_parity(engine_cache, model_dirs, prompts, refere
         attention_backend=backend,
         dp_padding_mode="sum_len",
     )
-    outputs = engine.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True)
-    assert_matches_reference(outputs, references[arch])
-    diverging = [p[: len(p) // 2] + [7, 8, 9, 10, 11] for p in prompts]
+    n = 3 if backend == "triton" else len(prompts)  # the interpreter is slow
+    outputs = engine.generate(input_ids=prompts[:n], sampling_params=GREEDY, return_logprob=True)
+    assert_matches_reference(outputs, references[arch][:n])
+    diverging = [p[: len(p) // 2] + [7, 8, 9, 10, 11] for p in prompts[:n]]
     again = engine.generate(input_ids=diverging, sampling_params=GREEDY, return_logprob=True)
     assert sum(o["meta_info"]["cached_tokens"] for o in again) > 0
     assert_matches_reference(again, hf_greedy_reference(model_dirs[arch], diverging, NEW_TOKENS))
