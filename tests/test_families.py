@@ -248,15 +248,16 @@ def test_gpt_oss_on_the_reference_backend(engine_cache, model_dirs, family_refs,
 
 def test_gpt_oss_on_the_triton_kernels(engine_cache, model_dirs, family_refs, prompts):
     """The GPU's paged kernels (Triton's interpreter here) with windows and sinks, through the engine:
-    prefill by the extend kernel, decode by the split-K kernel."""
+    prefill by the extend kernel, decode by the split-K kernel (three prompts, the interpreter is
+    slow: 11, 39 and 7 tokens against a window of 8)."""
     engine = engine_cache.get(
         model_dirs["gpt_oss"],
         attention_backend="triton",
         dp_padding_mode="sum_len",
         kv_cache_memory_gb=KV_BUDGET_GB,
     )
-    outs = engine.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True)
-    assert_matches_reference(outs, family_refs["gpt_oss"])
+    outs = engine.generate(input_ids=prompts[:3], sampling_params=GREEDY, return_logprob=True)
+    assert_matches_reference(outs, family_refs["gpt_oss"][:3])
 
 
 @pytest.mark.parametrize(
