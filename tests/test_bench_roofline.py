@@ -37,6 +37,11 @@ def test_dense_floor_reads_every_weight_but_the_embedding_and_every_request_kv(m
     assert {rows for rows, _, _ in machine.calls} == {4}
     assert floor.linear_s == len(linears) + 1
     assert floor.seconds == max(floor.compute_s, floor.memory_s)
+    # an 8-bit pool: a byte per value and a float32 scale per (token, KV head) row
+    fp8 = roofline_floor.decode_floor(model, model_cfg, machine, 4, 10, torch.float8_e4m3fn)
+    (k_shape, _) = model.kv_entry_shapes()
+    rows, width = k_shape
+    assert fp8.bytes == weights + 4 * 10 * model.kv_layers * 2 * rows * (width + 4)
 
 
 def test_moe_floor_counts_only_the_experts_a_batch_touches(model_dirs):

@@ -198,10 +198,16 @@ def _kind(name: str) -> str:
 
 
 def decode_floor(
-    model: torch.nn.Module, model_cfg: ModelConfig, machine: Machine, batch: int, context: float
+    model: torch.nn.Module,
+    model_cfg: ModelConfig,
+    machine: Machine,
+    batch: int,
+    context: float,
+    kv_dtype: torch.dtype | None = None,
 ) -> Floor:
     """The floor of one decode step of `batch` requests, each attending over `context` KV tokens,
-    for the engine's model `model` (built on the meta device: only its shapes are read)."""
+    for the engine's model `model` (built on the meta device: only its shapes are read); the KV
+    pool holds `kv_dtype` (default: the machine's dtype; an 8-bit pool's scales counted)."""
     parts: Counter[str] = Counter()
     # Every parameter is read once per step except the embedding table (one row per token) and the
     # routed experts no row picks.
@@ -224,7 +230,8 @@ def decode_floor(
             weight_bytes -= round((module.num_experts - touched) * expert_bytes)
     head = model.lm_head
     parts["lm head"] += machine.linear_seconds(batch, head.shape[1], head.shape[0], head.dtype)
-    kv = batch * context * kv_bytes_per_token(model.kv_layers, model.kv_entry_shapes(), machine.dtype)
+    kv_bytes = kv_bytes_per_token(model.kv_layers, model.kv_entry_shapes(), kv_dtype or machine.dtype)
+    kv = batch * context * kv_bytes
     core = batch * _attention_core_flops(model_cfg, context) / machine.peak_flops
     return Floor(
         batch, context, sum(parts.values()), core, int(weight_bytes + kv), machine.bandwidth, dict(parts)

@@ -25,6 +25,7 @@ from tqdm import tqdm
 from dpserve import Engine
 from dpserve.bench.floor import Machine, decode_floor, engine_model
 from dpserve.cli import HelpFormatter, add_engine_args, engine_kwargs, positive_int
+from dpserve.config import KV_CACHE_DTYPES
 
 FIRST_PROMPT_ID = 3  # ids below are special tokens (bos, eos, pad) in dpserve's test checkpoints
 
@@ -258,7 +259,8 @@ def main(argv: list[str] | None = None) -> None:
         model, model_cfg, cfg = engine_model(args.model_path, args.dtype, args.device)
         machine = Machine(cfg.torch_dtype, cfg.device)
         context = args.input_len + args.output_len / 2  # the mean KV length over the decode steps
-        floors = {b: decode_floor(model, model_cfg, machine, b, context) for b in args.batch_size}
+        kv_dtype = KV_CACHE_DTYPES.get(args.kv_cache_dtype)  # None: the model's
+        floors = {b: decode_floor(model, model_cfg, machine, b, context, kv_dtype) for b in args.batch_size}
     with Engine(**engine_kwargs(args)) as engine:
         info = engine.get_server_info()
         capacities = [r["max_total_num_tokens"] for r in info["dp_ranks"]]
