@@ -34,10 +34,8 @@ from typing import Literal
 
 import torch
 
-from dpserve.kvcache.pool import ScaledKV
+from dpserve.kvcache.pool import FP8_KV_MANTISSA, ScaledKV
 from dpserve.triton_setup import INTERPRET, tl, triton
-
-FP8_MANTISSA = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}
 
 
 def _split_dim(d: int) -> tuple[int, int]:
@@ -224,7 +222,7 @@ def cache_parts(cache: torch.Tensor | ScaledKV) -> tuple[torch.Tensor, torch.Ten
     """(what a kernel reads, its scales, MANTISSA): an 8-bit pool's codes as uint8 beside its scales
     [slots, kv_heads, 1] and their format's mantissa bits; any other cache beside itself (unread) and 0."""
     if isinstance(cache, ScaledKV):
-        return cache.codes.view(torch.uint8), cache.scales, FP8_MANTISSA[cache.codes.dtype]
+        return cache.codes.view(torch.uint8), cache.scales, FP8_KV_MANTISSA[cache.codes.dtype]
     return cache, cache, 0
 
 

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# The 8-bit pools' FP8 formats, by their mantissa bits (what a kernel needs to widen a code).
+FP8_KV_MANTISSA = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,7 @@ def take(cache: torch.Tensor | ScaledKV, index: torch.Tensor, width: int | None 
 def entry_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     """Bytes one token's entry of `shape` takes in a pool of `dtype` (an 8-bit one's scales too)."""
     elems = math.prod(shape)
-    if dtype in FP8_KV_DTYPES:
+    if dtype in FP8_KV_MANTISSA:
         return elems + 4 * (elems // shape[-1])
     return elems * dtype.itemsize
 
@@ -87,7 +88,7 @@ class KVPool:
 
         def entry(rows: int, shape: tuple[int, ...]) -> torch.Tensor | ScaledKV:
             codes = torch.zeros(rows, *shape, dtype=cache_dtype, device=device)
-            if cache_dtype not in FP8_KV_DTYPES:
+            if cache_dtype not in FP8_KV_MANTISSA:
                 return codes
             scales = torch.zeros(rows, *shape[:-1], 1, dtype=torch.float32, device=device)
             return ScaledKV(codes, scales, dtype)
@@ -100,10 +101,10 @@ class KVPool:
     def buffers(self, layer: int | None = None) -> list[torch.Tensor]:
         """The tensors holding a layer's entries (codes and scales for an 8-bit pool), or every
         layer's in order (None): what a KV transfer moves, row by row."""
+        layers = self.layers if layer is None else [self.layers[layer]]
         out = []
-        entries = self.layers[layer] if layer is not None else [e for entries in self.layers for e in entries]
-        for e in entries:
-            out += [e.codes, e.scales] if isinstance(e, ScaledKV) else [e]
+        for entry in (e for entries in layers for e in entries):
+            out += [entry.codes, entry.scales] if isinstance(entry, ScaledKV) else [entry]
         return out
 
     def write(self, layer: int, slots: torch.Tensor, *values: torch.Tensor) -> None:
