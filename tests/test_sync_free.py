@@ -7,7 +7,7 @@ capture, or worse, is frozen into it. Here the step the graphs capture (`forward
 padded layout, with the GPU's kernels: Triton attention and the fused MoE, in the interpreter) runs
 under a dispatch mode that raises on every such op, in each layout and dispatch path: one rank,
 TP MoE, EP gathering rows, EP all_to_all (fixed capacity), both padding modes, decode and verify
-rows, an idle group."""
+rows, an idle group beside a decoding one."""
 
 from __future__ import annotations
 
@@ -131,7 +131,9 @@ def _check_runner(cfg: EngineConfig, rank: int, groups) -> list[str]:
     for mode in ("sum_len", "max_len"):
         runner.policy.mode = mode
         for kind in ("decode", "verify"):
-            for idle_group in (None, 1) if groups.topo.dp_size > 1 else (None,):  # 1: the second group idles
+            # 1: the second group idles (its empty batch is the same in decode and verify steps)
+            idles = (None, 1) if groups.topo.dp_size > 1 and kind == "decode" else (None,)
+            for idle_group in idles:
                 batch = _batch(groups.topo.dp_rank, kind, idle_group)
                 sizes = exchange(batch.sizes(runner.policy.can_pad(batch)), groups)
                 layout = runner.policy.step_layout(sizes)
