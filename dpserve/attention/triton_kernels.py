@@ -35,7 +35,7 @@ from typing import Literal
 import torch
 
 from dpserve.kvcache.pool import FP8_KV_MANTISSA, ScaledKV
-from dpserve.triton_setup import INTERPRET, tl, triton
+from dpserve.triton_setup import INTERPRET, tl, triton, widen_fp8
 
 
 def _split_dim(d: int) -> tuple[int, int]:
@@ -187,19 +187,6 @@ def _add_sink(l_i, m_i, sink):
 
 
 @triton.jit
-def _widen_fp8(codes, MANTISSA: tl.constexpr):
-    """FP8 codes (uint8) to float32, exactly: sign, exponent and mantissa bits placed in a float32's,
-    times 2^(127 - bias), subnormals included; integer ops only, so any GPU (sm80 has no FP8
-    conversions) and the interpreter run it. MANTISSA: 3 for float8_e4m3fn, 2 for float8_e5m2."""
-    c = codes.to(tl.uint32)
-    f = (((c & 0x80) << 24) | ((c & 0x7F) << (23 - MANTISSA))).to(tl.float32, bitcast=True)
-    if MANTISSA == 3:
-        return f * 1.329227995784916e36  # 2^120: e4m3fn's exponent bias is 7
-    else:
-        return f * 5.192296858534828e33  # 2^112: e5m2's is 15
-
-
-@triton.jit
 def _kv_scales(Scales, slots, kv_head, stride_s, stride_h, mask, MANTISSA: tl.constexpr):
     """The scales of a block's slots in an 8-bit pool (MANTISSA > 0); ones otherwise (never read)."""
     if MANTISSA > 0:
@@ -213,7 +200,7 @@ def _load_kv(ptr, mask, scales, MANTISSA: tl.constexpr, DTYPE: tl.constexpr):
     """A tile of the pool as stored, or an 8-bit pool's codes widened and times `scales` (already
     broadcast to the tile's shape), rounded to DTYPE (the model's) as `kvcache.pool.take` reads them."""
     if MANTISSA > 0:
-        return (_widen_fp8(tl.load(ptr, mask=mask, other=0), MANTISSA) * scales).to(DTYPE)
+        return (widen_fp8(tl.load(ptr, mask=mask, other=0), MANTISSA) * scales).to(DTYPE)
     else:
         return tl.load(ptr, mask=mask, other=0.0)
 

@@ -18,7 +18,18 @@ from __future__ import annotations
 
 import torch
 
-from dpserve.triton_setup import INTERPRET, tl, triton
+from dpserve.layers.quant_triton import (
+    BLOCK_K,
+    activations,
+    precision,
+    scaled_sums,
+    tile_dot,
+    weight_args,
+    weight_format,
+    weight_tile,
+    zero_sums,
+)
+from dpserve.triton_setup import tl, triton
 
 
 def moe_align_block_size(
@@ -61,7 +72,11 @@ def moe_align_block_size(
 @triton.jit
 def _gate_up_kernel(
     X,
+    XScale,
     W13,
+    WScale,
+    RowBlock,
+    ColBlock,
     B13,
     Inter,
     SortedIds,
@@ -73,6 +88,9 @@ def _gate_up_kernel(
     stride_xm,
     stride_we,
     stride_wn,
+    stride_se,
+    stride_s0,
+    stride_s1,
     stride_be,
     stride_im,
     alpha,
@@ -80,6 +98,7 @@ def _gate_up_kernel(
     TOP_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     CLAMPED: tl.constexpr,
+    WFORMAT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -95,26 +114,51 @@ def _gate_up_kernel(
         tok = ids // TOP_K
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < inter
-        w_ptr = W13 + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn
-        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        w_ptr, s_ptr = W13 + e * stride_we, WScale + e * stride_se
+        acc_g = zero_sums(BLOCK_M, BLOCK_N, WFORMAT)
+        acc_u = zero_sums(BLOCK_M, BLOCK_N, WFORMAT)
         for k0 in range(0, hidden, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             mask_k = offs_k < hidden
             a = tl.load(
                 X + tok[:, None] * stride_xm + offs_k[None, :],
                 mask=mask_m[:, None] & mask_k[None, :],
-                other=0.0,
+                other=0,
             )
-            wmask = mask_k[:, None] & mask_n[None, :]
-            wg = tl.load(w_ptr + offs_k[:, None], mask=wmask, other=0.0)
-            wu = tl.load(w_ptr + inter * stride_wn + offs_k[:, None], mask=wmask, other=0.0)
-            if UPCAST:
-                a = a.to(tl.float32)
-                wg = wg.to(tl.float32)
-                wu = wu.to(tl.float32)
-            acc_g += tl.dot(a, wg, input_precision=PRECISION)
-            acc_u += tl.dot(a, wu, input_precision=PRECISION)
+            wg = weight_tile(
+                w_ptr,
+                s_ptr,
+                RowBlock,
+                ColBlock,
+                offs_n,
+                offs_k,
+                mask_n,
+                mask_k,
+                stride_wn,
+                stride_s0,
+                stride_s1,
+                WFORMAT,
+            )
+            wu = weight_tile(
+                w_ptr,
+                s_ptr,
+                RowBlock,
+                ColBlock,
+                offs_n + inter,
+                offs_k,
+                mask_n,
+                mask_k,
+                stride_wn,
+                stride_s0,
+                stride_s1,
+                WFORMAT,
+            )
+            acc_g = tile_dot(acc_g, a, wg, WFORMAT, PRECISION, UPCAST)
+            acc_u = tile_dot(acc_u, a, wu, WFORMAT, PRECISION, UPCAST)
+        acc_g = scaled_sums(acc_g, XScale, tok, mask_m, s_ptr, RowBlock, offs_n, mask_n, stride_s0, WFORMAT)
+        acc_u = scaled_sums(
+            acc_u, XScale, tok, mask_m, s_ptr, RowBlock, offs_n + inter, mask_n, stride_s0, WFORMAT
+        )
         if HAS_BIAS:
             b_ptr = B13 + e * stride_be + offs_n
             acc_g += tl.load(b_ptr, mask=mask_n, other=0.0).to(tl.float32)[None, :]
@@ -132,7 +176,11 @@ def _gate_up_kernel(
 @triton.jit
 def _down_kernel(
     Inter,
+    InterScale,
     W2,
+    WScale,
+    RowBlock,
+    ColBlock,
     B2,
     Out,
     Weights,
@@ -145,9 +193,13 @@ def _down_kernel(
     stride_im,
     stride_we,
     stride_wn,
+    stride_se,
+    stride_s0,
+    stride_s1,
     stride_be,
     stride_om,
     HAS_BIAS: tl.constexpr,
+    WFORMAT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -162,21 +214,32 @@ def _down_kernel(
         mask_m = ids < num_valid
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < hidden
-        w_ptr = W2 + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        w_ptr, s_ptr = W2 + e * stride_we, WScale + e * stride_se
+        acc = zero_sums(BLOCK_M, BLOCK_N, WFORMAT)
         for k0 in range(0, inter, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             mask_k = offs_k < inter
             a = tl.load(
                 Inter + ids[:, None] * stride_im + offs_k[None, :],
                 mask=mask_m[:, None] & mask_k[None, :],
-                other=0.0,
+                other=0,
             )
-            w = tl.load(w_ptr + offs_k[:, None], mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-            if UPCAST:
-                a = a.to(tl.float32)
-                w = w.to(tl.float32)
-            acc += tl.dot(a, w, input_precision=PRECISION)
+            w = weight_tile(
+                w_ptr,
+                s_ptr,
+                RowBlock,
+                ColBlock,
+                offs_n,
+                offs_k,
+                mask_n,
+                mask_k,
+                stride_wn,
+                stride_s0,
+                stride_s1,
+                WFORMAT,
+            )
+            acc = tile_dot(acc, a, w, WFORMAT, PRECISION, UPCAST)
+        acc = scaled_sums(acc, InterScale, ids, mask_m, s_ptr, RowBlock, offs_n, mask_n, stride_s0, WFORMAT)
         if HAS_BIAS:
             acc += tl.load(B2 + e * stride_be + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         acc *= tl.load(Weights + ids, mask=mask_m, other=0.0).to(tl.float32)[:, None]
@@ -230,19 +293,21 @@ def _triton_experts(
 ):
     rows, hidden = x.shape
     inter = w2.shape[2]
-    assert x.stride(1) == 1 and w13.stride(2) == 1 and w2.stride(2) == 1
     assert block_m >= 16, "tl.dot needs blocks of at least 16 rows"
+    assert x.stride(1) == 1
     n = rows * top_k
     num_blocks = expert_ids.shape[0]
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    upcast = INTERPRET and x.dtype == torch.bfloat16  # the interpreter's bfloat16 dot is wrong
-    block_n, block_k = 64, 64
+    prec, upcast = precision(x)
+    block_n = 64
     h = x.new_empty((n, inter))
     has_bias = b13 is not None
     alpha, limit = clamp or (1.0, 0.0)
+    a, a_scale = activations(x, w13)
+    w13_args, w2_args = weight_args(w13), weight_args(w2)
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, block_n))](
-        x,
-        w13,
+        a,
+        a_scale,
+        *w13_args[:4],
         b13 if has_bias else x,
         h,
         sorted_ids,
@@ -251,9 +316,8 @@ def _triton_experts(
         n,
         hidden,
         inter,
-        x.stride(0),
-        w13.stride(0),
-        w13.stride(1),
+        a.stride(0),
+        *w13_args[4:],
         b13.stride(0) if has_bias else 0,
         h.stride(0),
         alpha,
@@ -261,17 +325,20 @@ def _triton_experts(
         TOP_K=top_k,
         HAS_BIAS=has_bias,
         CLAMPED=clamp is not None,
+        WFORMAT=weight_format(w13),
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        PRECISION=precision,
+        BLOCK_K=BLOCK_K,
+        PRECISION=prec,
         UPCAST=upcast,
     )
     # Zeroed: assignments to dropped experts are never written and must add nothing.
     out = x.new_zeros((n, hidden))
+    h, h_scale = activations(h, w2)
     _down_kernel[(num_blocks, triton.cdiv(hidden, block_n))](
         h,
-        w2,
+        h_scale,
+        *w2_args[:4],
         b2 if has_bias else x,
         out,
         topk_weights.reshape(-1),
@@ -282,15 +349,15 @@ def _triton_experts(
         hidden,
         inter,
         h.stride(0),
-        w2.stride(0),
-        w2.stride(1),
+        *w2_args[4:],
         b2.stride(0) if has_bias else 0,
         out.stride(0),
         HAS_BIAS=has_bias,
+        WFORMAT=weight_format(w2),
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        PRECISION=precision,
+        BLOCK_K=BLOCK_K,
+        PRECISION=prec,
         UPCAST=upcast,
     )
     return out

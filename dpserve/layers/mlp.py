@@ -211,18 +211,19 @@ class MoE(nn.Module):
 
     def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """This rank's experts' weighted sum per row (`ids`: local expert indices)."""
+        if self.packed is not None:
+            return experts_loop(x, *self.packed, weights, ids, packed_linear, self.act, self.b13, self.b2)
+        quantized = self.w13_scale is not None  # 8-bit: each weight with its scales
+        w13 = quantized_weight(self, "w13") if quantized else self.w13
+        w2 = quantized_weight(self, "w2") if quantized else self.w2
         if x.is_cuda:  # fixed shapes, top_k experts' work per row: eager and captured graphs alike
             from dpserve.layers.fused_moe import fused_experts  # Triton, imported where it runs
 
             spec = self.spec
             clamp = (spec.swiglu_alpha, spec.swiglu_limit) if spec.activation == "swiglu_clamped" else None
-            return fused_experts(x, self.w13, self.w2, weights, ids, b13=self.b13, b2=self.b2, clamp=clamp)
-        if self.packed is not None:
-            return experts_loop(x, *self.packed, weights, ids, packed_linear, self.act, self.b13, self.b2)
-        if self.w13_scale is not None:
-            w13, w2 = quantized_weight(self, "w13"), quantized_weight(self, "w2")
-            return experts_loop(x, w13, w2, weights, ids, quantized_linear, self.act, self.b13, self.b2)
-        return experts_loop(x, self.w13, self.w2, weights, ids, F.linear, self.act, self.b13, self.b2)
+            return fused_experts(x, w13, w2, weights, ids, b13=self.b13, b2=self.b2, clamp=clamp)
+        linear = quantized_linear if quantized else F.linear
+        return experts_loop(x, w13, w2, weights, ids, linear, self.act, self.b13, self.b2)
 
     def pack_for_cpu(self) -> bool:
         """Reorders every local expert's weights once for oneDNN and frees the stacked tensors, as

@@ -132,13 +132,21 @@ class QuantizedWeight:
     def __len__(self) -> int:
         return len(self.q)
 
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
     def __getitem__(self, e: int) -> QuantizedWeight:
         return QuantizedWeight(self.q[e], self.scale[e], self.row_block, self.col_block)
 
 
 def quantized_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ W.T + bias for a quantized W, in x's dtype: the fused CPU kernels where they run (a
-    float32 bias), else their plain PyTorch forms."""
+    """x @ W.T + bias for a quantized W, in x's dtype: the Triton kernels on a GPU, the fused CPU
+    kernels where they run (a float32 bias), else their plain PyTorch forms."""
+    if x.is_cuda:
+        from dpserve.layers import quant_triton  # Triton, imported where it runs
+
+        return quant_triton.linear(x, w, bias)
     fused = cpu_ops.usable(x)
     bias32 = None if bias is None else bias.float()
     if w.q.dtype == INT8:
@@ -151,19 +159,26 @@ def quantized_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | N
     return fp8_linear(x, w, bias)
 
 
-def int8_linear(
-    x: torch.Tensor, q: torch.Tensor, row_scale: torch.Tensor, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    """x [..., k] quantized to int8 per token (scale: its largest magnitude / 127, rounded half to
-    even) times int8 q [n, k], exact integer dot products (float64 holds them), scaled by the token's
-    and the row's scales in float32: the fused kernel's bits, in plain PyTorch."""
+def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., k] quantized to int8 per row (W8A8-INT8's activations): codes round(x * 127 / amax),
+    half to even, and each row's scale amax / 127 [..., 1] in float32; a zero row has codes and
+    scale 0. Plain PyTorch with no value read back: the GPU's fused kernels take the same codes."""
     xf = x.float()
     amax = xf.abs().amax(dim=-1, keepdim=True)
     # A true division (a Python number over a tensor is a reciprocal times the number in PyTorch).
     inv = torch.where(amax > 0, torch.full_like(amax, INT8_MAX).div(amax), torch.zeros_like(amax))
-    xq = torch.round(xf * inv).clamp(-INT8_MAX, INT8_MAX)
+    return torch.round(xf * inv).clamp(-INT8_MAX, INT8_MAX).to(INT8), amax / INT8_MAX
+
+
+def int8_linear(
+    x: torch.Tensor, q: torch.Tensor, row_scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [..., k] quantized to int8 per token (`quantize_rows_int8`) times int8 q [n, k], exact
+    integer dot products (float64 holds them), scaled by the token's and the row's scales in
+    float32: the fused kernel's bits, in plain PyTorch."""
+    xq, x_scale = quantize_rows_int8(x)
     dots = (xq.double() @ q.double().T).float()
-    out = dots * (amax / INT8_MAX) * row_scale
+    out = dots * x_scale * row_scale
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype)
