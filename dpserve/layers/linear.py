@@ -21,7 +21,12 @@ class Linear(nn.Module):
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)
         if self.weight_scale is not None:  # 8-bit (`dpserve.layers.quant`)
-            return quantized_linear(x, quantized_weight(self, "weight"), self.bias)
+            w = quantized_weight(self, "weight")
+            if x.is_cuda:
+                from dpserve.layers.quant_triton import linear  # Triton, imported where it runs
+
+                return linear(x, w, self.bias)
+            return quantized_linear(x, w, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def packs(self, dtype: torch.dtype, device_type: str) -> bool:

@@ -141,12 +141,8 @@ class QuantizedWeight:
 
 
 def quantized_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ W.T + bias for a quantized W, in x's dtype: the Triton kernels on a GPU, the fused CPU
-    kernels where they run (a float32 bias), else their plain PyTorch forms."""
-    if x.is_cuda:
-        from dpserve.layers import quant_triton  # Triton, imported where it runs
-
-        return quant_triton.linear(x, w, bias)
+    """x @ W.T + bias for a quantized W on the CPU, in x's dtype: the fused CPU kernels where they
+    run (a float32 bias), else their plain PyTorch forms (a GPU's: `quant_triton.linear`)."""
     fused = cpu_ops.usable(x)
     bias32 = None if bias is None else bias.float()
     if w.q.dtype == INT8:
