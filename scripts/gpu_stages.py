@@ -273,7 +273,60 @@ def kernels(scale: Scale) -> str:
     expect(err < scale.tol, failures, f"fused MoE with biases and clamped SwiGLU error {err:.2e}")
     figures.append(f"MoE gpt-oss biases + clamped SwiGLU: {err:.1e}")
     log(figures[-1])
+    figures += quantized_errors(scale, failures)
     return finish(failures, figures)
+
+
+def quantized_errors(scale: Scale, failures: list[str]) -> list[str]:
+    """8-bit weights (block FP8 in 128 x 128 blocks, W8A8-INT8) through the Triton GEMM and fused
+    MoE against their plain forms (`quant.fp8_linear`, `quant.int8_linear`) in float32, on the
+    per-rank shapes of the last MoE case, each weight's part starting inside a block (a TP split)."""
+    from dpserve.layers.fused_moe import fused_experts
+    from dpserve.layers.mlp import experts_loop
+    from dpserve.layers.quant import PER_ROW, QuantizedWeight, QuantSpec, fp8_linear, int8_linear, quantize
+    from dpserve.layers.quant_triton import linear
+
+    def plain(x, w, bias=None):
+        if w.q.dtype == torch.int8:
+            return int8_linear(x, w.q, w.scale[w.row_block, 0], bias)
+        return fp8_linear(x, w, bias)
+
+    def part(w: torch.Tensor, spec: QuantSpec, first: int) -> QuantizedWeight:
+        """Rows and columns from `first` of `w` ([rows, cols], or one per expert) with the scales of
+        every block."""
+        qs = [quantize(e, spec) for e in (w if w.dim() == 3 else w[None])]
+        q = torch.stack([a for a, _ in qs])[:, first:, first:].contiguous()
+        s = torch.stack([b for _, b in qs])
+        rows, cols = (torch.arange(first, n, device=w.device) for n in w.shape[-2:])
+        col_block = cols // spec.block[1] if spec.block[1] != PER_ROW else torch.zeros_like(cols)
+        if w.dim() == 2:
+            q, s = q[0], s[0]
+        return QuantizedWeight(q, s, rows // spec.block[0], col_block)
+
+    dev, out = scale.device, []
+    _, experts, inter = scale.moe[-1]
+    hidden, rows, top_k = scale.hidden, scale.moe_rows, min(8, experts)
+    for name, spec in (("fp8", QuantSpec("fp8", (128, 128))), ("int8", QuantSpec("w8a8_int8", (1, PER_ROW)))):
+        g = torch.Generator(device=dev).manual_seed(0)
+        w = torch.randn(2 * inter + 5, hidden + 5, device=dev, generator=g)
+        x = torch.randn(rows, hidden, device=dev, generator=g)
+        lin = part(w, spec, 5)
+        ref = plain(x, lin)
+        err = ((linear(x, lin) - ref).abs().max() / ref.abs().max()).item()
+        w13 = part(
+            torch.randn(experts, 2 * inter + 3, hidden + 3, device=dev, generator=g) / hidden**0.5, spec, 3
+        )
+        w2 = part(torch.randn(experts, hidden + 3, inter + 3, device=dev, generator=g) / inter**0.5, spec, 3)
+        w13 = QuantizedWeight(w13.q[:, : 2 * inter], w13.scale, w13.row_block[: 2 * inter], w13.col_block)
+        w2 = QuantizedWeight(w2.q[:, :, :inter], w2.scale, w2.row_block, w2.col_block[:inter])
+        weights = torch.rand(rows, top_k, device=dev, generator=g)
+        ids = torch.stack([torch.randperm(experts, device=dev, generator=g)[:top_k] for _ in range(rows)])
+        ref = experts_loop(x, w13, w2, weights, ids, plain)
+        moe = ((fused_experts(x, w13, w2, weights, ids) - ref).abs().max() / ref.abs().max()).item()
+        expect(max(err, moe) < 1e-4, failures, f"{name} weights error GEMM {err:.2e} MoE {moe:.2e}")
+        out.append(f"{name} weights GEMM {err:.1e} MoE {moe:.1e}")
+        log(out[-1])
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- engines
