@@ -59,6 +59,18 @@ class QuantSpec:
     def describe(self) -> str:
         return "a scale per row" if self.block[1] == PER_ROW else f"blocks of {list(self.block)}"
 
+    def kernels(self, device_type: str) -> str:
+        """Which kernels multiply these weights on a device (the start-up log says it)."""
+        if device_type == "cpu":
+            return "the fused CPU kernels (plain PyTorch where none compiled)"
+        if self.method == "fp8":
+            return (
+                "Triton GEMMs and fused MoE, weight-only: FP8 tiles widened in the kernel (any GPU from sm80)"
+            )
+        return (
+            "Triton GEMMs and fused MoE: activations quantized to int8 per token, int8 dots summed in int32"
+        )
+
 
 _BUILDING: list[QuantSpec | None] = [None]
 

@@ -73,22 +73,8 @@ class ModelConfig:
 
     def validate(self, cfg: EngineConfig) -> None:
         """Raises ValueError naming the numbers, and the layouts that would work, when the engine's
-        layout cannot split this model, or naming what it needs that is not built yet."""
+        layout cannot split this model."""
         self.check_layout(cfg)
-        missing = self.unbuilt(cfg)
-        if missing:
-            raise ValueError("; ".join(missing))
-
-    def unbuilt(self, cfg: EngineConfig) -> list[str]:
-        """What serving this model on `cfg`'s device needs that dpserve has not built yet: refused at
-        start-up; the planner plans it and says so."""
-        out = []
-        if self.quant is not None and cfg.device != "cpu":
-            out.append(
-                f"{self.quant.method} weights are served on the CPU; their GPU kernels "
-                "(Triton block-FP8 and INT8 GEMMs and fused MoE) are not built yet"
-            )
-        return out
 
     def check_layout(self, cfg: EngineConfig) -> None:
         """Raises ValueError naming the numbers, and the layouts that would work, when the engine's

@@ -247,11 +247,8 @@ def header_line(plan: Plan) -> str:
 
 
 def notes(plan: Plan) -> list[str]:
-    """Sentences under the table: what dpserve has not built for this plan yet, the hybrid pool."""
-    first = next((lp.mem for lp in plan.layouts if lp.mem.valid), None)
-    unbuilt = plan.model_cfg.unbuilt(first.cfg) if first else []
-    out = [f"planned, but refused at start-up today: {'; '.join(unbuilt)}"] if unbuilt else []
-    return out + [n for n in (window_note(plan),) if n]
+    """Sentences under the table: what the hybrid pool gives."""
+    return [n for n in (window_note(plan),) if n]
 
 
 def window_note(plan: Plan) -> str | None:

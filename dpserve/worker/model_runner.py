@@ -77,6 +77,9 @@ class ModelRunner:
         self.model = load_model(cfg, model_cfg, groups, device)
         self.dtype = cfg.torch_dtype
         self.weight_bytes = param_bytes(self.model)
+        if model_cfg.quant is not None:
+            q = model_cfg.quant
+            logger.info("%s weights (%s) kept 8-bit: %s", q.method, q.describe(), q.kernels(device.type))
         if device.type == "cpu" and not cfg.enable_torch_compile:  # inductor packs compiled steps itself
             packed = pack_linears_for_cpu(self.model)
             if packed:
