@@ -281,45 +281,64 @@ def quantized_errors(scale: Scale, failures: list[str]) -> list[str]:
     """8-bit weights (block FP8 in 128 x 128 blocks, W8A8-INT8) through the Triton GEMM and fused
     MoE, activations in the kernels' dtype, against their plain forms (`quant.fp8_linear`,
     `quant.int8_linear`) in float32, on the per-rank shapes of the last MoE case, each weight's part
-    starting inside a block (a TP split)."""
+    starting inside a block (a TP split); and, where the GPU has FP8 dots, DeepSeek's w8a8 recipe
+    (parts whose columns start on a block boundary) against the plain form of its FP8 activations."""
     from dpserve.layers.fused_moe import fused_experts
     from dpserve.layers.mlp import experts_loop
-    from dpserve.layers.quant import PER_ROW, QuantizedWeight, QuantSpec, fp8_linear, int8_linear, quantize
+    from dpserve.layers.quant import (
+        PER_ROW,
+        QuantizedWeight,
+        QuantSpec,
+        fp8_dots,
+        fp8_linear,
+        int8_linear,
+        quantize,
+        quantize_groups_fp8,
+    )
     from dpserve.layers.quant_triton import linear
 
     def plain(x, w, bias=None):
+        """The CPU's forms; under FP8 dots on x as its FP8 codes per group give it back."""
         if w.q.dtype == torch.int8:
             return int8_linear(x, w.q, w.scale[w.row_block, 0], bias)
+        if w.group:
+            codes, scales = quantize_groups_fp8(x, w.group)
+            x = (codes.float() * scales.repeat_interleave(w.group, 1)[:, : x.shape[1]]).to(x.dtype)
         return fp8_linear(x, w, bias)
 
-    def part(w: torch.Tensor, spec: QuantSpec, first: int) -> QuantizedWeight:
-        """Rows and columns from `first` of `w` ([rows, cols], or one per expert) with the scales of
-        every block."""
+    def part(
+        w: torch.Tensor, spec: QuantSpec, first_col: int, rows: int, cols: int, group: int
+    ) -> QuantizedWeight:
+        """`rows` x `cols` of `w` ([rows, cols], or one per expert) from row 3 and column
+        `first_col`, with the scales of every block."""
         qs = [quantize(e, spec) for e in (w if w.dim() == 3 else w[None])]
-        q = torch.stack([a for a, _ in qs])[:, first:, first:].contiguous()
+        q = torch.stack([a for a, _ in qs])[:, 3 : 3 + rows, first_col : first_col + cols].contiguous()
         s = torch.stack([b for _, b in qs])
-        rows, cols = (torch.arange(first, n, device=w.device) for n in w.shape[-2:])
-        col_block = cols // spec.block[1] if spec.block[1] != PER_ROW else torch.zeros_like(cols)
+        row_ids = torch.arange(3, 3 + rows, device=w.device)
+        col_ids = torch.arange(first_col, first_col + cols, device=w.device)
+        col_block = col_ids // spec.block[1] if spec.block[1] != PER_ROW else torch.zeros_like(col_ids)
         if w.dim() == 2:
             q, s = q[0], s[0]
-        return QuantizedWeight(q, s, rows // spec.block[0], col_block)
+        return QuantizedWeight(q, s, row_ids // spec.block[0], col_block, group)
 
     dev, out = scale.device, []
     _, experts, inter = scale.moe[-1]
     hidden, rows, top_k = scale.hidden, scale.moe_rows, min(8, experts)
-    for name, spec in (("fp8", QuantSpec("fp8", (128, 128))), ("int8", QuantSpec("w8a8_int8", (1, PER_ROW)))):
+    fp8, int8 = QuantSpec("fp8", (128, 128)), QuantSpec("w8a8_int8", (1, PER_ROW))
+    cases = [("fp8", fp8, 5, 0), ("int8", int8, 5, 0)]
+    if dev == "cpu" or fp8_dots(torch.device(dev)):
+        cases.append(("fp8 dots", fp8, 0, 128))
+    for name, spec, first_col, group in cases:
         g = torch.Generator(device=dev).manual_seed(0)
-        w = torch.randn(2 * inter + 5, hidden + 5, device=dev, generator=g)
         x = torch.randn(rows, hidden, device=dev, generator=g).to(scale.kernel_dtype)
-        lin = part(w, spec, 5)
+        w = torch.randn(2 * inter + 5, hidden + 5, device=dev, generator=g)
+        lin = part(w, spec, first_col, 2 * inter, hidden, group)
         ref = plain(x.float(), lin)
         err = ((linear(x, lin).float() - ref).abs().max() / ref.abs().max()).item()
-        w13 = part(
-            torch.randn(experts, 2 * inter + 3, hidden + 3, device=dev, generator=g) / hidden**0.5, spec, 3
-        )
-        w2 = part(torch.randn(experts, hidden + 3, inter + 3, device=dev, generator=g) / inter**0.5, spec, 3)
-        w13 = QuantizedWeight(w13.q[:, : 2 * inter], w13.scale, w13.row_block[: 2 * inter], w13.col_block)
-        w2 = QuantizedWeight(w2.q[:, :, :inter], w2.scale, w2.row_block, w2.col_block[:inter])
+        w13 = torch.randn(experts, 2 * inter + 5, hidden + 5, device=dev, generator=g) / hidden**0.5
+        w2 = torch.randn(experts, hidden + 5, inter + 5, device=dev, generator=g) / inter**0.5
+        w13 = part(w13, spec, first_col, 2 * inter, hidden, group)
+        w2 = part(w2, spec, first_col, hidden, inter, group)
         weights = torch.rand(rows, top_k, device=dev, generator=g)
         ids = torch.stack([torch.randperm(experts, device=dev, generator=g)[:top_k] for _ in range(rows)])
         ref = experts_loop(x.float(), w13, w2, weights, ids, plain)

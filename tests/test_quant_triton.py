@@ -5,6 +5,7 @@ each with their own first block) and W8A8-INT8 (activations quantized per row)."
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -13,7 +14,15 @@ import torch
 from dpserve.layers import quant_triton
 from dpserve.layers.fused_moe import fused_experts
 from dpserve.layers.mlp import experts_loop, silu_and_mul, swiglu_clamped
-from dpserve.layers.quant import PER_ROW, QuantizedWeight, QuantSpec, fp8_linear, int8_linear, quantize
+from dpserve.layers.quant import (
+    PER_ROW,
+    QuantizedWeight,
+    QuantSpec,
+    fp8_linear,
+    int8_linear,
+    quantize,
+    quantize_groups_fp8,
+)
 
 FP8_BLOCK = (16, 32)  # small blocks, so that the tiles (64 wide) cross several
 
@@ -107,3 +116,68 @@ def test_fused_moe_equals_the_experts_loop(method):
     want = experts_loop(x, w13, w2, weights, ids, plain, act, b13, b2)
     got = fused_experts(x, w13, w2, weights, ids, b13=b13, b2=b2, clamp=(1.702, 7.0))
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+
+
+# FP8 dots (DeepSeek's w8a8 recipe: GPUs from sm89, where the loader sets QuantizedWeight.group) ---
+
+
+def fp8_dots_reference(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The recipe computed apart, in float64: each 1 x group of x's columns quantized to FP8 (its
+    largest magnitude mapped to 448), its dot with W's codes times its scale and its block's."""
+    out = torch.zeros(x.shape[0], w.q.shape[0], dtype=torch.float64)
+    for g0 in range(0, x.shape[1], w.group):
+        xg = x[:, g0 : g0 + w.group].float()
+        xs = xg.abs().amax(-1, keepdim=True).clamp(min=1e-10) / 448
+        xq = (xg / xs).to(torch.float8_e4m3fn).double()
+        ws = w.scale[w.row_block, w.col_block[g0]].double()
+        out += (xq @ w.q[:, g0 : g0 + w.group].double().T) * xs.double() * ws
+    return (out + (0 if bias is None else bias.double())).to(x.dtype)
+
+
+def either(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return fp8_dots_reference(x, w, bias) if w.group else plain(x, w, bias)
+
+
+def test_fp8_dots_follow_deepseeks_w8a8_recipe():
+    """Rows 5..99 and columns 32..199 of a 100 x 200 weight in 16 x 32 blocks (columns from a block
+    boundary, rows inside one, a ragged last group), at 1 and 40 tokens with a bias and a token of
+    zeros; then the fused MoE with both weights under FP8 dots (the intermediate part on a block
+    boundary), and with w2 weight-only beside them (its part inside a block, as the loader keeps it)."""
+    g = torch.Generator().manual_seed(3)
+    spec = SPECS["fp8"]
+    part = dataclasses.replace(
+        part_of(torch.randn(100, 200, generator=g), spec, [range(5, 100)], range(32, 200)), group=32
+    )
+    bias = torch.randn(95, generator=g)
+    for tokens in (1, 40):
+        x = torch.randn(tokens, 168, generator=g)
+        x[tokens // 2] = 0
+        want = fp8_dots_reference(x, part, bias)
+        torch.testing.assert_close(quant_triton.linear(x, part, bias), want, rtol=1e-5, atol=1e-5)
+    experts, hidden, rows, top_k = 8, 96, 24, 3
+    x = torch.randn(rows, hidden, generator=g)
+    weights = torch.rand(rows, top_k, generator=g)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(rows)])
+    for first, inter in ((32, 64), (9, 70)):
+        w13, w2 = moe_weights(spec, experts, hidden, inter, first, g)
+        w13 = dataclasses.replace(w13, group=32)
+        w2 = dataclasses.replace(w2, group=32 if first % 32 == 0 else 0)
+        want = experts_loop(x, w13, w2, weights, ids, either, silu_and_mul)
+        torch.testing.assert_close(fused_experts(x, w13, w2, weights, ids), want, rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_activation_groups():
+    """quant.quantize_groups_fp8: each group's largest magnitude becomes 448, every value within half
+    an FP8 step (e4m3: 3 mantissa bits) of codes x scale, a group of zeros scale 1e-10 / 448 and codes
+    0, a ragged last group."""
+    x = torch.randn(3, 70) * torch.tensor([1e-3, 1.0, 1e3])[:, None]
+    x[1, 64:] = 0
+    codes, scale = quantize_groups_fp8(x, 32)
+    assert codes.dtype == torch.float8_e4m3fn and codes.shape == (3, 70) and scale.shape == (3, 3)
+    groups = [slice(0, 32), slice(32, 64), slice(64, 70)]
+    for j, cols in enumerate(groups):
+        amax = x[:, cols].abs().amax(-1)
+        torch.testing.assert_close(scale[:, j], amax.clamp(min=1e-10) / 448)
+        back = codes[:, cols].float() * scale[:, j : j + 1]
+        assert ((back - x[:, cols]).abs() <= x[:, cols].abs() * 2**-4 + 1e-30).all()
+    assert codes[1, 64:].float().eq(0).all() and codes.float().abs().amax(-1).eq(448).all()

@@ -19,8 +19,9 @@ from __future__ import annotations
 import torch
 
 from dpserve.layers.quant_triton import (
-    BLOCK_K,
     activations,
+    block_k,
+    group_dot,
     precision,
     scaled_sums,
     tile_dot,
@@ -86,6 +87,7 @@ def _gate_up_kernel(
     hidden,
     inter,
     stride_xm,
+    stride_as,
     stride_we,
     stride_wn,
     stride_se,
@@ -153,11 +155,51 @@ def _gate_up_kernel(
                 stride_s1,
                 WFORMAT,
             )
-            acc_g = tile_dot(acc_g, a, wg, WFORMAT, PRECISION, UPCAST)
-            acc_u = tile_dot(acc_u, a, wu, WFORMAT, PRECISION, UPCAST)
-        acc_g = scaled_sums(acc_g, XScale, tok, mask_m, s_ptr, RowBlock, offs_n, mask_n, stride_s0, WFORMAT)
+            if WFORMAT == 3:
+                acc_g = group_dot(
+                    acc_g,
+                    a,
+                    wg,
+                    XScale,
+                    tok,
+                    mask_m,
+                    stride_as,
+                    k0,
+                    s_ptr,
+                    RowBlock,
+                    ColBlock,
+                    offs_n,
+                    mask_n,
+                    stride_s0,
+                    stride_s1,
+                    BLOCK_K,
+                )
+                acc_u = group_dot(
+                    acc_u,
+                    a,
+                    wu,
+                    XScale,
+                    tok,
+                    mask_m,
+                    stride_as,
+                    k0,
+                    s_ptr,
+                    RowBlock,
+                    ColBlock,
+                    offs_n + inter,
+                    mask_n,
+                    stride_s0,
+                    stride_s1,
+                    BLOCK_K,
+                )
+            else:
+                acc_g = tile_dot(acc_g, a, wg, WFORMAT, PRECISION, UPCAST)
+                acc_u = tile_dot(acc_u, a, wu, WFORMAT, PRECISION, UPCAST)
+        acc_g = scaled_sums(
+            acc_g, XScale, tok, mask_m, stride_as, s_ptr, RowBlock, offs_n, mask_n, stride_s0, WFORMAT
+        )
         acc_u = scaled_sums(
-            acc_u, XScale, tok, mask_m, s_ptr, RowBlock, offs_n + inter, mask_n, stride_s0, WFORMAT
+            acc_u, XScale, tok, mask_m, stride_as, s_ptr, RowBlock, offs_n + inter, mask_n, stride_s0, WFORMAT
         )
         if HAS_BIAS:
             b_ptr = B13 + e * stride_be + offs_n
@@ -191,6 +233,7 @@ def _down_kernel(
     hidden,
     inter,
     stride_im,
+    stride_as,
     stride_we,
     stride_wn,
     stride_se,
@@ -238,8 +281,30 @@ def _down_kernel(
                 stride_s1,
                 WFORMAT,
             )
-            acc = tile_dot(acc, a, w, WFORMAT, PRECISION, UPCAST)
-        acc = scaled_sums(acc, InterScale, ids, mask_m, s_ptr, RowBlock, offs_n, mask_n, stride_s0, WFORMAT)
+            if WFORMAT == 3:
+                acc = group_dot(
+                    acc,
+                    a,
+                    w,
+                    InterScale,
+                    ids,
+                    mask_m,
+                    stride_as,
+                    k0,
+                    s_ptr,
+                    RowBlock,
+                    ColBlock,
+                    offs_n,
+                    mask_n,
+                    stride_s0,
+                    stride_s1,
+                    BLOCK_K,
+                )
+            else:
+                acc = tile_dot(acc, a, w, WFORMAT, PRECISION, UPCAST)
+        acc = scaled_sums(
+            acc, InterScale, ids, mask_m, stride_as, s_ptr, RowBlock, offs_n, mask_n, stride_s0, WFORMAT
+        )
         if HAS_BIAS:
             acc += tl.load(B2 + e * stride_be + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         acc *= tl.load(Weights + ids, mask=mask_m, other=0.0).to(tl.float32)[:, None]
@@ -317,6 +382,7 @@ def _triton_experts(
         hidden,
         inter,
         a.stride(0),
+        a_scale.stride(0),
         *w13_args[4:],
         b13.stride(0) if has_bias else 0,
         h.stride(0),
@@ -328,7 +394,7 @@ def _triton_experts(
         WFORMAT=weight_format(w13),
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        BLOCK_K=BLOCK_K,
+        BLOCK_K=block_k(w13),
         PRECISION=prec,
         UPCAST=upcast,
     )
@@ -349,6 +415,7 @@ def _triton_experts(
         hidden,
         inter,
         h.stride(0),
+        h_scale.stride(0),
         *w2_args[4:],
         b2.stride(0) if has_bias else 0,
         out.stride(0),
@@ -356,7 +423,7 @@ def _triton_experts(
         WFORMAT=weight_format(w2),
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        BLOCK_K=BLOCK_K,
+        BLOCK_K=block_k(w2),
         PRECISION=prec,
         UPCAST=upcast,
     )

@@ -59,18 +59,6 @@ class QuantSpec:
     def describe(self) -> str:
         return "a scale per row" if self.block[1] == PER_ROW else f"blocks of {list(self.block)}"
 
-    def kernels(self, device_type: str) -> str:
-        """Which kernels multiply these weights on a device (the start-up log says it)."""
-        if device_type == "cpu":
-            return "the fused CPU kernels (plain PyTorch where none compiled)"
-        if self.method == "fp8":
-            return (
-                "Triton GEMMs and fused MoE, weight-only: FP8 tiles widened in the kernel (any GPU from sm80)"
-            )
-        return (
-            "Triton GEMMs and fused MoE: activations quantized to int8 per token, int8 dots summed in int32"
-        )
-
 
 _BUILDING: list[QuantSpec | None] = [None]
 
@@ -140,6 +128,7 @@ class QuantizedWeight:
     scale: torch.Tensor
     row_block: torch.Tensor
     col_block: torch.Tensor
+    group: int = 0  # FP8 dots with activations quantized per 1 x group columns (0: weight-only)
 
     def __len__(self) -> int:
         return len(self.q)
@@ -149,7 +138,7 @@ class QuantizedWeight:
         return self.q.shape
 
     def __getitem__(self, e: int) -> QuantizedWeight:
-        return QuantizedWeight(self.q[e], self.scale[e], self.row_block, self.col_block)
+        return QuantizedWeight(self.q[e], self.scale[e], self.row_block, self.col_block, self.group)
 
 
 def quantized_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -210,6 +199,57 @@ def fp8_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = 
 WEIGHT_NAMES = ("weight", "w13", "w2")  # Linear's, the MoE's experts'
 
 
+def fp8_dots(device: torch.device) -> bool:
+    """Whether `device` multiplies FP8 by FP8 (CUDA sm89 and newer: Ada, Hopper, Blackwell)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def activation_group(spec: QuantSpec, first_col: int, device: torch.device) -> int:
+    """The activation group of a weight whose rank's part starts `first_col` columns into a block
+    (`QuantizedWeight.group`): DeepSeek's w8a8 recipe (activations in FP8 per 1 x block-width
+    columns, FP8 dots) for block FP8 on a GPU with FP8 dots when the part's columns start on a block
+    boundary and the block width is a power of two from 32 (a dot's K); 0 (weight-only) otherwise."""
+    b1 = spec.block[1]
+    usable = spec.method == "fp8" and first_col == 0 and b1 >= 32 and b1 & (b1 - 1) == 0
+    return b1 if usable and fp8_dots(device) else 0
+
+
+def kernels_used(model: torch.nn.Module, spec: QuantSpec, device: torch.device) -> str:
+    """Which kernels multiply `model`'s 8-bit weights on `device`, and how many weights each: what
+    the start-up log says."""
+    if device.type == "cpu":
+        return "the fused CPU kernels (plain PyTorch where none compiled)"
+    if spec.method == "w8a8_int8":
+        return (
+            "Triton GEMMs and fused MoE: activations quantized to int8 per token, int8 dots summed in int32"
+        )
+    names = [(m, n) for m in model.modules() for n in quantized_weights_of(m)]
+    dots = sum(1 for m, n in names if getattr(m, f"{n}_group"))
+    if not fp8_dots(device):
+        return (
+            f"Triton GEMMs and fused MoE, weight-only: FP8 tiles widened in the kernel (this GPU, sm"
+            f"{''.join(map(str, torch.cuda.get_device_capability(device)))}, has no FP8 dots)"
+        )
+    return (
+        f"Triton GEMMs and fused MoE: FP8 dots with activations quantized per 1 x {spec.block[1]} group "
+        f"for {dots} of {len(names)} weights; weight-only for the {len(names) - dots} whose rank's part "
+        "starts inside a block"
+    )
+
+
+def quantize_groups_fp8(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [m, k] in FP8 (e4m3) per 1 x `group` columns, as DeepSeek's w8a8 recipe quantizes
+    activations: each group's largest magnitude (at least 1e-10) mapped to 448. Returns the codes
+    [m, k] and the scales [m, ceil(k / group)] in float32, x ~ codes * the scale of its group.
+    Plain PyTorch with no value read back (captured graphs run it)."""
+    m, k = x.shape
+    groups = -(-k // group)
+    padded = F.pad(x.float(), (0, groups * group - k)).view(m, groups, group)
+    scale = padded.abs().amax(dim=-1).clamp(min=1e-10) / FP8_MAX
+    codes = (padded / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).view(m, groups * group)[:, :k]
+    return codes.to(FP8), scale
+
+
 def add_weight(module: torch.nn.Module, name: str, shape: tuple[int, ...], spec: QuantSpec | None) -> None:
     """`module.<name>`: an empty Parameter of `shape`, 8-bit with its scale table and block indices
     under `spec`, else in the default dtype (`<name>_scale` None)."""
@@ -222,12 +262,19 @@ def add_weight(module: torch.nn.Module, name: str, shape: tuple[int, ...], spec:
 
 
 def set_tables(
-    module: torch.nn.Module, name: str, scale: torch.Tensor, row_block: torch.Tensor, col_block: torch.Tensor
+    module: torch.nn.Module,
+    name: str,
+    scale: torch.Tensor,
+    row_block: torch.Tensor,
+    col_block: torch.Tensor,
+    group: int = 0,
 ) -> None:
-    """Gives `module.<name>` its scale table and block indices (at build, and as the loader draws them)."""
+    """Gives `module.<name>` its scale table, block indices and activation group (`QuantizedWeight`;
+    at build, and as the loader draws them)."""
     setattr(module, f"{name}_scale", torch.nn.Parameter(scale, requires_grad=False))
     setattr(module, f"{name}_row_block", row_block)
     setattr(module, f"{name}_col_block", col_block)
+    setattr(module, f"{name}_group", group)
 
 
 def quantized_weight(module: torch.nn.Module, name: str) -> QuantizedWeight | None:
@@ -240,6 +287,7 @@ def quantized_weight(module: torch.nn.Module, name: str) -> QuantizedWeight | No
         scale,
         getattr(module, f"{name}_row_block"),
         getattr(module, f"{name}_col_block"),
+        getattr(module, f"{name}_group"),
     )
 
 

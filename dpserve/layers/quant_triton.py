@@ -10,25 +10,37 @@ MoE's (`dpserve.layers.fused_moe`) through the same tile helpers.
   int8 dots summed exactly in int32, then each row's activation scale and each output column's
   weight scale applied in float32: the CPU kernels' bits.
 
+- Block FP8 with FP8 dots (DeepSeek's w8a8 recipe, on GPUs with FP8 dots: `QuantizedWeight.group`
+  set at load): activations quantized per 1 x group columns (`quant.quantize_groups_fp8`), a tile
+  of K = one column block, its FP8 dot summed in float32 and times the row's group scale and the
+  column's block scale.
+
 `WFORMAT` (a kernel's constexpr) says which: 0 weights as stored in the model's dtype, 1 block
-FP8, 2 int8.
+FP8 weight-only, 2 int8, 3 block FP8 with FP8 dots.
 """
 
 from __future__ import annotations
 
 import torch
 
-from dpserve.layers.quant import FP8, INT8, QuantizedWeight, quantize_rows_int8
+from dpserve.layers.quant import FP8, INT8, QuantizedWeight, quantize_groups_fp8, quantize_rows_int8
 from dpserve.triton_setup import INTERPRET, tl, triton, widen_fp8
 
 BLOCK_K = 64  # int8 dots need K >= 32
 
 
 def weight_format(w: torch.Tensor | QuantizedWeight) -> int:
-    """WFORMAT of a weight: 0 as stored, 1 block FP8, 2 int8."""
+    """WFORMAT of a weight: 0 as stored, 1 block FP8 weight-only, 2 int8, 3 block FP8 with FP8 dots."""
     if not isinstance(w, QuantizedWeight):
         return 0
-    return {FP8: 1, INT8: 2}[w.q.dtype]
+    if w.q.dtype == INT8:
+        return 2
+    return 3 if w.group else 1
+
+
+def block_k(w: torch.Tensor | QuantizedWeight) -> int:
+    """A tile's K: one activation group (one column block) under FP8 dots."""
+    return w.group if weight_format(w) == 3 else BLOCK_K
 
 
 def weight_args(w: torch.Tensor | QuantizedWeight) -> tuple:
@@ -39,7 +51,7 @@ def weight_args(w: torch.Tensor | QuantizedWeight) -> tuple:
     if not isinstance(w, QuantizedWeight):
         assert w.stride(-1) == 1
         return w, w, w, w, *w.stride()[:-1], 0, 0, 0
-    codes = w.q.view(torch.uint8) if w.q.dtype == FP8 else w.q
+    codes = w.q.view(torch.uint8) if w.q.dtype == FP8 else w.q  # bit patterns: see group_dot
     assert codes.stride(-1) == 1
     scale_strides = w.scale.stride() if w.scale.dim() == 3 else (0, *w.scale.stride())
     return codes, w.scale, w.row_block, w.col_block, *codes.stride()[:-1], *scale_strides
@@ -103,13 +115,52 @@ def tile_dot(sums, a, w, WFORMAT: tl.constexpr, PRECISION: tl.constexpr, UPCAST:
 
 
 @triton.jit
+def group_dot(
+    sums,
+    a,
+    w,
+    AScale,
+    a_rows,
+    mask_m,
+    stride_as,
+    k0,
+    WScale,
+    RowBlock,
+    ColBlock,
+    offs_n,
+    mask_n,
+    stride_s0,
+    stride_s1,
+    BLOCK_K: tl.constexpr,
+):
+    """sums + the FP8 dot of one column block (WFORMAT 3) times each row's scale for that group and
+    each column's scale for that block."""
+    a_s = tl.load(AScale + a_rows * stride_as + k0 // BLOCK_K, mask=mask_m, other=0.0)
+    rb = tl.load(RowBlock + offs_n, mask=mask_n, other=0)
+    w_s = tl.load(WScale + rb * stride_s0 + tl.load(ColBlock + k0) * stride_s1, mask=mask_n, other=0.0)
+    # The codes travel as uint8 (a masked load's zero is an integer) and are bitcast for the dot.
+    dot = tl.dot(a.to(tl.float8e4nv, bitcast=True), w.to(tl.float8e4nv, bitcast=True))
+    return sums + dot * a_s[:, None] * w_s[None, :]
+
+
+@triton.jit
 def scaled_sums(
-    sums, AScale, a_rows, mask_m, WScale, RowBlock, offs_n, mask_n, stride_s0, WFORMAT: tl.constexpr
+    sums,
+    AScale,
+    a_rows,
+    mask_m,
+    stride_as,
+    WScale,
+    RowBlock,
+    offs_n,
+    mask_n,
+    stride_s0,
+    WFORMAT: tl.constexpr,
 ):
     """The sums in float32: int8's times each row's activation scale, then each column's weight
     scale (the CPU's order); the others as they are."""
     if WFORMAT == 2:
-        xs = tl.load(AScale + a_rows, mask=mask_m, other=0.0)
+        xs = tl.load(AScale + a_rows * stride_as, mask=mask_m, other=0.0)
         rb = tl.load(RowBlock + offs_n, mask=mask_n, other=0)
         ws = tl.load(WScale + rb * stride_s0, mask=mask_n, other=0.0)
         return sums.to(tl.float32) * xs[:, None] * ws[None, :]
@@ -131,6 +182,7 @@ def _linear_kernel(
     N,
     K,
     stride_xm,
+    stride_as,
     stride_wn,
     stride_s0,
     stride_s1,
@@ -172,8 +224,30 @@ def _linear_kernel(
             stride_s1,
             WFORMAT,
         )
-        sums = tile_dot(sums, a, w, WFORMAT, PRECISION, UPCAST)
-    out = scaled_sums(sums, XScale, offs_m, mask_m, WScale, RowBlock, offs_n, mask_n, stride_s0, WFORMAT)
+        if WFORMAT == 3:
+            sums = group_dot(
+                sums,
+                a,
+                w,
+                XScale,
+                offs_m,
+                mask_m,
+                stride_as,
+                k0,
+                WScale,
+                RowBlock,
+                ColBlock,
+                offs_n,
+                mask_n,
+                stride_s0,
+                stride_s1,
+                BLOCK_K,
+            )
+        else:
+            sums = tile_dot(sums, a, w, WFORMAT, PRECISION, UPCAST)
+    out = scaled_sums(
+        sums, XScale, offs_m, mask_m, stride_as, WScale, RowBlock, offs_n, mask_n, stride_s0, WFORMAT
+    )
     if HAS_BIAS:
         out += tl.load(Bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     out_ptr = Out + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
@@ -181,10 +255,14 @@ def _linear_kernel(
 
 
 def activations(x: torch.Tensor, w: torch.Tensor | QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
-    """(what a kernel reads as A, its per-row scales): int8 codes and scales for an int8 weight;
-    x itself (scales never read) for the others."""
-    if weight_format(w) == 2:
+    """(what a kernel reads as A, its scales): int8 codes and per-row scales for an int8 weight, FP8
+    codes and per-group scales under FP8 dots; x itself (scales never read) for the others."""
+    wformat = weight_format(w)
+    if wformat == 2:
         return quantize_rows_int8(x)
+    if wformat == 3:
+        codes, scale = quantize_groups_fp8(x, w.group)
+        return codes.view(torch.uint8), scale
     return x, x
 
 
@@ -216,6 +294,7 @@ def linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None
         n,
         k,
         a.stride(0),
+        a_scale.stride(0),
         stride_wn,
         stride_s0,
         stride_s1,
@@ -224,7 +303,7 @@ def linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None
         WFORMAT=weight_format(w),
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        BLOCK_K=BLOCK_K,
+        BLOCK_K=block_k(w),
         PRECISION=prec,
         UPCAST=upcast,
     )

@@ -33,6 +33,7 @@ from dpserve.layers.quant import (
     PER_ROW,
     QUANTIZED,
     QuantSpec,
+    activation_group,
     dequantize,
     quantize,
     quantized_weights_of,
@@ -301,7 +302,10 @@ class BlockScales:
             device = q.device
             scale = torch.stack(tables) if q.dim() == 3 else tables[0]
             col_block = (c0 + torch.arange(q.shape[-1], device=device)) // b1
-            set_tables(module, name, scale.to(device), torch.tensor(row_block, device=device), col_block)
+            group = activation_group(self.spec, c0, device)
+            set_tables(
+                module, name, scale.to(device), torch.tensor(row_block, device=device), col_block, group
+            )
 
 
 def load_bytes(weights: list[Weight]) -> int:

@@ -18,6 +18,7 @@ from dpserve.config import EngineConfig
 from dpserve.distributed import SENT, Groups, all_reduce
 from dpserve.kvcache.pool import KVPool
 from dpserve.layers.linear import pack_linears_for_cpu
+from dpserve.layers.quant import kernels_used
 from dpserve.memory import (
     agree_min,
     kv_budget_bytes,
@@ -78,8 +79,8 @@ class ModelRunner:
         self.dtype = cfg.torch_dtype
         self.weight_bytes = param_bytes(self.model)
         if model_cfg.quant is not None:
-            q = model_cfg.quant
-            logger.info("%s weights (%s) kept 8-bit: %s", q.method, q.describe(), q.kernels(device.type))
+            q, kernels = model_cfg.quant, kernels_used(self.model, model_cfg.quant, device)
+            logger.info("%s weights (%s) kept 8-bit: %s", q.method, q.describe(), kernels)
         if device.type == "cpu" and not cfg.enable_torch_compile:  # inductor packs compiled steps itself
             packed = pack_linears_for_cpu(self.model)
             if packed:
