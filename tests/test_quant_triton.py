@@ -181,3 +181,20 @@ def test_fp8_activation_groups():
         back = codes[:, cols].float() * scale[:, j : j + 1]
         assert ((back - x[:, cols]).abs() <= x[:, cols].abs() * 2**-4 + 1e-30).all()
     assert codes[1, 64:].float().eq(0).all() and codes.float().abs().amax(-1).eq(448).all()
+
+
+def test_the_kernels_read_nothing_back_for_captured_graphs():
+    """Every 8-bit form through the GEMM and the fused MoE (activation quantizers included) under
+    tests/test_sync_free.py's check: no op whose result the host must see, no host data copied in."""
+    from test_sync_free import forbid_host_syncs
+
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(5, 96, generator=g)
+    weights = torch.rand(5, 2, generator=g)
+    ids = torch.tensor([[0, 3], [1, -1], [2, 3], [0, 1], [3, 2]])
+    for method, group in (("fp8", 0), ("w8a8_int8", 0), ("fp8", 32)):
+        w13, w2 = moe_weights(SPECS[method], 4, 96, 64, 32, g)
+        w13, w2 = dataclasses.replace(w13, group=group), dataclasses.replace(w2, group=group)
+        with forbid_host_syncs():
+            quant_triton.linear(x, w13[0])
+            fused_experts(x, w13, w2, weights, ids)
