@@ -13,7 +13,6 @@ from dataclasses import MISSING, dataclass, field, fields
 import torch
 
 from dpserve.distributed import Topology
-from dpserve.grammar import GRAMMAR_BACKENDS
 from dpserve.memory import DEFAULT_MEM_FRACTION_STATIC, pool_tokens
 
 PADDING_MODES = ("auto", "sum_len", "max_len")
@@ -28,6 +27,8 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 SPEC_OPTIONS = ("speculative_num_steps", "speculative_num_draft_tokens")
 DEFAULT_RUNNING_PER_GROUP = 256  # without --max-running-requests
 DEFAULT_CHUNK_PER_GROUP = 2048  # without --chunked-prefill-size
+
+GRAMMAR_BACKENDS = ("xgrammar", "none")  # --grammar-backend
 
 
 def option(

@@ -4,7 +4,8 @@ and cached with dpserve's other build products; `torch.ops.dpserve_cpu.*` once `
 A decode step on the CPU is a few hundred ATen calls per layer whose fixed cost, not their
 arithmetic, dominates: these kernels fuse the chains that cost most (docs/benchmarks.md, "Fused CPU
 kernels"). Where no compiler is found, or `DPSERVE_CPU_KERNELS=0`, the model runs the same math in
-plain PyTorch, and says so once.
+plain PyTorch, and says so once. Also here: oneDNN's prepacked GEMM (`pack`, `packed_linear`), which
+the layers and the dtype probe share.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from dpserve.models.gguf import cache_root
+from dpserve.cache import cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -78,3 +79,21 @@ def cpu_key() -> str:
 
 
 KEYS = ("model name", "flags")
+
+
+# oneDNN's prepacked GEMM (`Linear.pack_for_cpu`): weights reordered once into its blocked layout.
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [out, in] reordered into oneDNN's blocked layout, for `packed_linear`."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear on a weight `pack` reordered: the same bits."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def onednn_packs(dtype: torch.dtype, device_type: str) -> bool:
+    """Whether oneDNN runs a prepacked weight of this dtype here: bfloat16 on a CPU with native support."""
+    return device_type == "cpu" and dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()

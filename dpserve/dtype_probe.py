@@ -5,14 +5,16 @@ emulated bfloat16 is several times slower than float32."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
 
 import torch
+import torch.nn.functional as F
 
-from dpserve.cpu_ops import cpu_key
-from dpserve.models.gguf import cache_root
+from dpserve.cache import cache_root
+from dpserve.cpu_ops import cpu_key, onednn_packs, pack, packed_linear
 
 logger = logging.getLogger(__name__)
 
@@ -39,21 +41,22 @@ def prefers_bfloat16() -> bool:
 def probe() -> dict[str, float]:
     """Seconds for SHAPES in each dtype, each GEMM as the engine runs it (bfloat16 on oneDNN's
     prepacked weights where it packs them), the best of five runs."""
-    from dpserve.layers.linear import Linear  # the layers import the model stack: only when probing
-
     out = {}
     for dtype in (torch.bfloat16, torch.float32):
         total = 0.0
         for rows, k, n in SHAPES:
-            layer = Linear(k, n)
-            layer.weight.data = torch.randn(n, k).to(dtype)
-            layer.pack_for_cpu()
-            x = torch.randn(rows, k).to(dtype)
-            layer(x)
+            w, x = torch.randn(n, k).to(dtype), torch.randn(rows, k).to(dtype)
+            packed = pack(w) if onednn_packs(dtype, "cpu") else None
+            gemm = (
+                functools.partial(packed_linear, x, packed)
+                if packed is not None
+                else functools.partial(F.linear, x, w)
+            )
+            gemm()
             best = float("inf")
             for _ in range(5):
                 start = time.perf_counter()
-                layer(x)
+                gemm()
                 best = min(best, time.perf_counter() - start)
             total += best
         out[f"{str(dtype).removeprefix('torch.')}_s"] = total

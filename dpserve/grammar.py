@@ -29,7 +29,6 @@ if TYPE_CHECKING:
 
 KINDS = ("json_schema", "regex", "ebnf")  # SGLang's sampling parameters, one per request at most
 JSON_OBJECT = '{"type": "object"}'  # OpenAI's response_format json_object: any JSON object
-GRAMMAR_BACKENDS = ("xgrammar", "none")
 COUNTERS = ("grammar_compiles", "grammar_cache_hits", "grammar_compile_seconds")  # of a group, in /metrics
 
 

@@ -12,10 +12,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dpserve import memory
 from dpserve.layers.fused_moe import fused_experts, moe_align_block_size
-from dpserve.layers.mlp import MoE, swiglu_clamped
+from dpserve.layers.mlp import MoE, MoESpec, swiglu_clamped
 from dpserve.layers.mlp import experts_loop as loop_reference
 from dpserve.layers.norm import RMSNorm
-from dpserve.models.family import MoESpec
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 

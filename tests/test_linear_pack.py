@@ -8,8 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from dpserve.layers.linear import Linear, pack_linears_for_cpu
-from dpserve.layers.mlp import MoE
-from dpserve.models.family import MoESpec
+from dpserve.layers.mlp import MoE, MoESpec
 
 pytestmark = pytest.mark.skipif(
     not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="this CPU has no oneDNN bfloat16"

@@ -14,9 +14,11 @@ from dpserve.models.batch import stage
 from dpserve.sampling_params import SamplingParams
 from dpserve.scheduler.request import GenerateRequest
 from dpserve.scheduler.scheduler import Scheduler
+from dpserve.scheduler.token_counts import TokenCounts
 from dpserve.speculative.rejection import greedy_accept
 from dpserve.testing.reference import _load_model, hf_sampling_reference, reference_logits
-from dpserve.worker.sampler import Penalties, TokenCounts, adjust_inputs, adjust_logits, sample
+from dpserve.worker.sampler import Penalties, adjust_inputs, adjust_logits, sample
+from dpserve.worker.sampling_batch import sampling_inputs
 
 VOCAB = 50
 EOS = 1
@@ -160,13 +162,15 @@ def run_leader(params: list[SamplingParams], num_drafts: int, capacity: int) -> 
     outputs = {}
     while s.running or s.waiting:
         s.schedule()
-        inputs = s.sampling_inputs()
+        i = sampling_inputs(s.sampled(), s.token_counts, s.vocab_size, s.eos_ids)
         rows = [
-            synthetic_logits(r.fill_ids + r.drafts[:j])
-            for r in s._sampled()
-            for j in range(1 + len(r.drafts))
+            synthetic_logits(r.fill_ids + r.drafts[:j]) for r in s.sampled() for j in range(1 + len(r.drafts))
         ]
-        samples = sample(torch.stack(rows), *inputs) if rows else ([], [], [], [])
+        samples = (
+            sample(torch.stack(rows), i.params, i.keys, i.drafts, i.penalties, i.grammar)
+            if rows
+            else ([], [], [], [])
+        )
         outputs.update((o["rid"], o["output_ids"]) for o in s.process_samples(*samples)[1])
     assert s.token_counts.rows == {}
     return [outputs[str(i)] for i in range(len(params))], s.counters

@@ -7,7 +7,8 @@ from conftest import CountOps
 
 from dpserve.grammar import token_bitmask
 from dpserve.sampling_params import SamplingParams
-from dpserve.worker.sampler import GrammarMask, Penalties, TokenCounts, sample, uniforms
+from dpserve.scheduler.token_counts import TokenCounts
+from dpserve.worker.sampler import GrammarMask, Penalties, sample, uniforms
 
 PROBS = torch.tensor([0.4, 0.3, 0.2, 0.1])
 

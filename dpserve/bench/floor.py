@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from dpserve.config import EngineConfig
-from dpserve.layers.linear import Linear, onednn_packs
+from dpserve.cpu_ops import onednn_packs
+from dpserve.layers.linear import Linear
 from dpserve.layers.mlp import MoE
 from dpserve.memory import kv_bytes_per_token
 from dpserve.models.config import ModelConfig

@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dpserve.cpu_ops import onednn_packs, pack, packed_linear
 from dpserve.layers.quant import add_weight, building_spec, quantized_linear, quantized_weight
 
 
@@ -44,21 +45,6 @@ class Linear(nn.Module):
         self.packed = pack(w)
         self.weight = None  # its storage goes: the packed copy replaces it
         return True
-
-
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` [out, in] reordered into oneDNN's blocked layout, for `packed_linear`."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-
-
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear on a weight `pack` reordered: the same bits."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-
-def onednn_packs(dtype: torch.dtype, device_type: str) -> bool:
-    """Whether oneDNN runs a prepacked weight of this dtype here: bfloat16 on a CPU with native support."""
-    return device_type == "cpu" and dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def pack_linears_for_cpu(model: nn.Module) -> int:

@@ -10,13 +10,14 @@ import hashlib
 import importlib.util
 import json
 import logging
-import os
 import re
 import shutil
 import tempfile
 from pathlib import Path
 
 import numpy as np
+
+from dpserve.cache import cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -63,11 +64,6 @@ def resolve_model_path(model_path: str) -> str:
     if gguf_path is None:
         return model_path
     return str(_cached_conversion(gguf_path))
-
-
-def cache_root() -> Path:
-    """The directory converted GGUF models are cached in."""
-    return Path(os.environ.get("DPSERVE_CACHE") or Path.home() / ".cache" / "dpserve")
 
 
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> None:

@@ -91,7 +91,7 @@ PROFILES = (*GPU_PROFILES, "cpu")
 
 
 def cpu_profile_path() -> Path:
-    from dpserve.models.gguf import cache_root
+    from dpserve.cache import cache_root
 
     return cache_root() / "cpu_profile.json"
 

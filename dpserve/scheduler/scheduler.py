@@ -25,19 +25,18 @@ from __future__ import annotations
 import logging
 import random
 from collections import deque
-from itertools import accumulate
 
 import torch
 
 from dpserve.grammar import COUNTERS as GRAMMAR_COUNTERS
-from dpserve.grammar import GrammarCache, Matcher, grammar_key, token_bitmask
+from dpserve.grammar import GrammarCache, Matcher, grammar_key
 from dpserve.kvcache.allocator import SlotAllocator
 from dpserve.kvcache.radix_cache import RadixTree
 from dpserve.kvcache.window import WindowSlots
 from dpserve.scheduler.request import GenerateRequest, Req, check_request, max_kv_len
+from dpserve.scheduler.token_counts import TokenCounts
 from dpserve.speculative.ngram import propose_ngram
 from dpserve.step.records import BatchReq, DraftBatch, DraftReq, GroupBatch, KVSend
-from dpserve.worker.sampler import GrammarMask, Penalties, TokenCounts
 
 logger = logging.getLogger(__name__)
 
@@ -512,57 +511,8 @@ class Scheduler:
 
     # --- after the forward -----------------------------------------------------------------------
 
-    def sampling_inputs(
-        self,
-    ) -> tuple[list, list[tuple[int, int]], list[list[int]], Penalties | None, GrammarMask | None]:
-        """Sampling parameters, random keys (seed, tokens generated), drafts, penalties and grammar
-        masks of the last batch's requests that sample (penalties: None when none of them uses a
-        penalty or a min_new_tokens floor; masks: None when none has a grammar)."""
-        reqs = self._sampled()
-        min_left = [max(0, r.params.min_new_tokens - len(r.output_ids)) for r in reqs]
-        penalties = None
-        if any(min_left) or any(r.params.penalized for r in reqs):
-            penalties = Penalties(
-                self.token_counts,
-                [self.token_counts.rows.get(r.rid, -1) for r in reqs],
-                min_left,
-                [self._stop_ids(r) if left else [] for r, left in zip(reqs, min_left, strict=True)],
-            )
-        return (
-            [r.params for r in reqs],
-            [(r.seed, len(r.output_ids)) for r in reqs],
-            [r.drafts for r in reqs],
-            penalties,
-            self._grammar_mask(reqs),
-        )
-
-    def _grammar_mask(self, reqs: list[Req]) -> GrammarMask | None:
-        """The token bitmask of the sampled rows of `reqs` (each request's last token and drafts),
-        filled by the matchers of those with a grammar; a request still reasoning is constrained
-        only from the row after its drafts' end of the reasoning, if they have one."""
-        if not any(r.matcher is not None for r in reqs):
-            return None
-        starts = [0, *accumulate(1 + len(r.drafts) for r in reqs)]
-        bitmask, rows = token_bitmask(starts[-1], self.vocab_size), []
-        for req, start, end in zip(reqs, starts, starts[1:], strict=False):
-            if req.matcher is None:
-                continue
-            drafts = req.drafts
-            if req.grammar_after is not None:
-                if req.grammar_after not in drafts:
-                    continue
-                skip = drafts.index(req.grammar_after) + 1
-                start, drafts = start + skip, drafts[skip:]
-            req.matcher.fill(bitmask, start, drafts)
-            rows += range(start, end)
-        return GrammarMask(bitmask, rows) if rows else None
-
-    def _stop_ids(self, req: Req) -> list[int]:
-        """The tokens that would end the request (min_new_tokens keeps them from being sampled)."""
-        eos = set() if req.params.ignore_eos else self.eos_ids
-        return sorted(eos | set(req.params.stop_token_ids))
-
-    def _sampled(self) -> list[Req]:
+    def sampled(self) -> list[Req]:
+        """The last step's requests that sample, in the order of its logits rows."""
         return [r for r in self._step_reqs if r.prefill_done]
 
     def process_samples(
@@ -584,7 +534,7 @@ class Scheduler:
         new, finished, counted = [], [], []
         top_logprobs = top_logprobs or [[[] for _ in t] for t in tokens]
         errors = errors or [None] * len(tokens)
-        steps = zip(self._sampled(), tokens, logprobs, top_logprobs, errors, strict=True)
+        steps = zip(self.sampled(), tokens, logprobs, top_logprobs, errors, strict=True)
         for req, toks, lps, tops, error in steps:
             reason, emitted = None, 0
             for tok, lp, top in zip(toks, lps, tops, strict=True):

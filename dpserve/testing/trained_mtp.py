@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, GenerationConfig
 
-from dpserve.models.gguf import cache_root
+from dpserve.cache import cache_root
 from dpserve.testing.tiny_models import (
     _DEEPSEEK_V3,
     _ROPE_DEFAULT,

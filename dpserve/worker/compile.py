@@ -37,10 +37,10 @@ from collections.abc import Callable
 import torch
 from tqdm import tqdm
 
+from dpserve.cache import cache_root
 from dpserve.kvcache.pool import KVPool
 from dpserve.models.base import CausalLM, DecoderLayer
 from dpserve.models.batch import ForwardBatch
-from dpserve.models.gguf import cache_root
 from dpserve.step.records import StepLayout
 
 logger = logging.getLogger(__name__)

@@ -44,6 +44,7 @@ from dpserve.step.records import MODES, GroupBatch, KVSend, StepLayout
 from dpserve.worker.drafter import NextNDrafter
 from dpserve.worker.model_runner import ModelRunner
 from dpserve.worker.sampler import sample
+from dpserve.worker.sampling_batch import sampling_inputs
 
 # An idle instance blocks in its leaders' sockets instead of stepping: the front end wakes every
 # group's leader whenever a request arrives (`WorkerPool.send(..., wake_all=True)`), so the wait
@@ -436,7 +437,11 @@ class Worker:
         """5. The leader samples; NEXTN drafts on every rank; the leader logs the step."""
         s = self.scheduler
         if s is not None and batch.reqs:
-            samples = sample(logits, *s.sampling_inputs()) if batch.num_logit_rows else ([], [], [], [])
+            if batch.num_logit_rows:
+                i = sampling_inputs(s.sampled(), s.token_counts, s.vocab_size, s.eos_ids)
+                samples = sample(logits, i.params, i.keys, i.drafts, i.penalties, i.grammar)
+            else:
+                samples = ([], [], [], [])
             self.report.add(*s.process_samples(*samples))
         if self.drafter is not None:
             draft_batch = share(s.draft_batch if s else None, self.groups)
