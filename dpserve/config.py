@@ -541,6 +541,11 @@ class EngineConfig:
         return KV_CACHE_DTYPES.get(self.kv_cache_dtype, self.torch_dtype)
 
     @property
+    def nextn(self) -> bool:
+        """Whether NEXTN (the checkpoint's MTP layers) drafts tokens."""
+        return self.speculative_algorithm == "NEXTN"
+
+    @property
     def num_drafts(self) -> int:
         """Draft tokens per request and step; 0 without speculative decoding."""
         return self.speculative_num_steps if self.speculative_algorithm else 0

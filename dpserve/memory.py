@@ -35,6 +35,16 @@ ACTIVATION_CHUNK_BYTES = 256 * 2**20
 CPU_DEFAULT_KV_GB = 0.25  # KV budget per rank on the CPU when kv_cache_memory_gb is not given
 DEFAULT_MEM_FRACTION_STATIC = 0.88  # of the device's memory, for weights + KV (GPU)
 
+# What a rank reports when ready (weight_bytes: its parameters and buffers; activation_bytes: the
+# peak measured at start-up, GPU only; window_tokens: the hybrid sliding-window pool's, 0 without).
+RANK_FIGURES = (
+    "max_total_num_tokens",
+    "window_tokens",
+    "kv_bytes_per_token",
+    "weight_bytes",
+    "activation_bytes",
+)
+
 
 def param_bytes(model: nn.Module) -> int:
     """Bytes of a model's parameters AND buffers (rotary caches count: the engine allocates them).

@@ -20,11 +20,11 @@ from dpserve.disagg.bootstrap import PrefillBootstrap
 from dpserve.engine.router import Router
 from dpserve.engine.worker_pool import WorkerPool, prepared
 from dpserve.grammar import check_grammar
+from dpserve.memory import RANK_FIGURES
 from dpserve.models.config import ModelConfig
 from dpserve.models.loader import CheckpointReader
 from dpserve.sampling_params import SamplingParams
 from dpserve.scheduler.request import Bootstrap, GenerateRequest, check_request
-from dpserve.worker.loop import RANK_FIGURES
 
 logger = logging.getLogger("dpserve")
 
@@ -51,7 +51,7 @@ def load_model_config(cfg: EngineConfig) -> ModelConfig:
     model_cfg = ModelConfig.load(cfg.model_path, cfg.quantization)
     CheckpointReader(cfg.model_path)  # its weights are there (an error names the folder)
     model_cfg.validate(cfg)
-    if cfg.speculative_algorithm == "NEXTN":
+    if cfg.nextn:
         model_cfg.check_mtp()
     return model_cfg
 

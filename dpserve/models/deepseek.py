@@ -261,7 +261,7 @@ def build_deepseek_layers(
     # V3.2's indexer rotates its first rope dims by the same angles, as halves.
     index_rotary = RotaryEmbedding(hf.qk_rope_head_dim, cfg.context_len, rope, interleaved=False)
     sparse = cfg.declaration.sparse_attention
-    mtp, topo = options.speculative_algorithm == "NEXTN", groups.topo
+    mtp, topo = options.nextn, groups.topo
     kv_layers = [*range(cfg.num_layers), *([0] if mtp else [])]  # the MTP layer: KV layer 0 of its pool
     return [
         (

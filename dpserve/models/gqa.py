@@ -123,7 +123,7 @@ def build_gqa_layers(
     # GLM-4.5 rotates only the first part of each head (partial_rotary_factor 0.5).
     factor = rope.get("partial_rotary_factor") or getattr(cfg.hf, "partial_rotary_factor", None) or 1.0
     rotary = RotaryEmbedding(int(d * factor), cfg.context_len, rope, interleaved=False)
-    mtp = options.speculative_algorithm == "NEXTN"
+    mtp = options.nextn
     kv_layers = [*range(cfg.num_layers), *([0] if mtp else [])]
     # Sliding-window layers by transformers' layer_types (gpt-oss: every other one).
     types = getattr(cfg.hf, "layer_types", None) or []

@@ -23,7 +23,7 @@ def build_model(
     dispatch path, the DP LM head, replicated dense layers."""
     backend = backend or SdpaBackend()
     comm = DPComm(groups)
-    mtp = options.speculative_algorithm == "NEXTN"
+    mtp = options.nextn
     if mtp:
         cfg.check_mtp()
     with quantized_weights(cfg.quant):  # linear and expert weights kept as the checkpoint stores them

@@ -35,6 +35,7 @@ from dpserve.distributed import Groups, init_groups
 from dpserve.eplb.rebalance import Rebalance, Rebalancer
 from dpserve.grammar import GrammarCache
 from dpserve.layers.mlp import expert_rows
+from dpserve.memory import RANK_FIGURES
 from dpserve.models.config import ModelConfig
 from dpserve.scheduler.request import GenerateRequest
 from dpserve.scheduler.scheduler import Scheduler
@@ -56,15 +57,6 @@ STEP_LOG_LEN = 100_000
 # The watchdog's signal to a live rank: write every thread's Python stack to stderr (the log).
 STACK_DUMP_SIGNAL = signal.SIGUSR1
 SEND_LINGER_MS = 5000  # how long an exiting rank tries to deliver its last messages
-# What a rank reports when ready (weight_bytes: its parameters and buffers; activation_bytes: the
-# peak measured at start-up, GPU only; window_tokens: the hybrid sliding-window pool's, 0 without).
-RANK_FIGURES = (
-    "max_total_num_tokens",
-    "window_tokens",
-    "kv_bytes_per_token",
-    "weight_bytes",
-    "activation_bytes",
-)
 
 logger = logging.getLogger("dpserve.worker")
 
@@ -232,7 +224,7 @@ class Worker:
                 cfg.kv_dtype,
             )
         self.out, self.scheduler, self.requests = out, None, None
-        self.transfer, self.link, self.nextn = None, None, cfg.speculative_algorithm == "NEXTN"
+        self.transfer, self.link, self.nextn = None, None, cfg.nextn
         self.kv_heads = 1 if model_cfg.is_mla else model_cfg.num_kv_heads  # MLA: one latent, every rank
         if cfg.disaggregation_mode != "null":
             self._start_transfer(cfg)
