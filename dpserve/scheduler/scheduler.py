@@ -33,6 +33,7 @@ from dpserve.grammar import GrammarCache, Matcher, grammar_key
 from dpserve.kvcache.allocator import SlotAllocator
 from dpserve.kvcache.radix_cache import RadixTree
 from dpserve.kvcache.window import WindowSlots
+from dpserve.messages import Abort, FinishReason, Length, Stop
 from dpserve.scheduler.request import GenerateRequest, Req, check_request, max_kv_len
 from dpserve.scheduler.token_counts import TokenCounts
 from dpserve.speculative.ngram import propose_ngram
@@ -49,11 +50,11 @@ MAX_RETRACTIONS = 3
 GRAMMAR_ERROR = 422  # the status of a request whose grammar refused a sampled token ("grammar_error")
 
 
-def grammar_refused(tok: int, position: int) -> dict:
+def grammar_refused(tok: int, position: int) -> Abort:
     """The end of a request whose grammar refused a token its mask had allowed (a fault of the
     grammar engine, not of the request or the server): its output stops before that token."""
     message = f"the grammar refused token {tok} at output position {position}; the output ends before it"
-    return {"type": "abort", "message": message, "status_code": GRAMMAR_ERROR}
+    return Abort(message, GRAMMAR_ERROR)
 
 
 def largest_step(
@@ -105,7 +106,7 @@ class Scheduler:
         self.disaggregation = disaggregation
         # Prefill: requests whose first token is out, holding their KV until it is written to the
         # decode side (with the finish reason they then report), and where each one's KV goes.
-        self.sending: dict[str, tuple[Req, dict]] = {}
+        self.sending: dict[str, tuple[Req, FinishReason]] = {}
         self.destinations: dict[str, dict] = {}
         self._sends: list[str] = []  # the last batch's sends, by request
         # Decode: requests whose slots this step reserved (their destination goes to the prefill
@@ -146,7 +147,7 @@ class Scheduler:
             check_request(msg.input_ids, msg.params, self.vocab_size, self.context_len, self.kv_capacity)
         except ValueError as e:
             req = Req(msg.rid, msg.input_ids, msg.params, msg.return_logprob, 0)
-            return self._output(req, {"type": "abort", "message": str(e)})
+            return self._output(req, Abort(str(e)))
         seed = self.seeds.getrandbits(64) if msg.params.seed is None else msg.params.seed
         max_len = max_kv_len(len(msg.input_ids), msg.params, self.context_len)
         req = Req(msg.rid, msg.input_ids, msg.params, msg.return_logprob, max_len, seed)
@@ -156,9 +157,7 @@ class Scheduler:
         key = grammar_key(msg.params)
         if key is not None:
             if self.grammars is None:
-                return self._output(
-                    req, {"type": "abort", "message": "no grammar backend", "status_code": 400}
-                )
+                return self._output(req, Abort("no grammar backend", 400))
             req.compiled = self.grammars.get(key)  # compiled meanwhile: the request waits, not the batch
         self.waiting.append(req)
         return None
@@ -166,7 +165,7 @@ class Scheduler:
     def abort(self, rid: str, message: str = "aborted") -> dict | None:
         for req in [*self.waiting, *self.running, *(r for r, _ in self.sending.values())]:
             if req.rid == rid:
-                return self._finish(req, {"type": "abort", "message": message})
+                return self._finish(req, Abort(message))
         return None
 
     # --- prefill-decode disaggregation -----------------------------------------------------------
@@ -186,7 +185,7 @@ class Scheduler:
             req, reason = self.sending[rid]
             if error is not None:
                 message = f"writing the KV failed: {error}"
-                reason = {"type": "abort", "message": message, "status_code": 500, "write_failed": True}
+                reason = Abort(message, 500, write_failed=True)
             drafts = req.proposed  # NEXTN: the MTP layer's first chain, for the decode side to verify
             out.append({**self._finish(req, reason), "drafts": drafts})
         self._sends = []
@@ -223,7 +222,7 @@ class Scheduler:
         req = self._awaiting(rid)
         if req is None:
             return None
-        reason = {"type": "abort", "message": message, "status_code": 503, "write_failed": write_failed}
+        reason = Abort(message, 503, write_failed=write_failed)
         return self._finish(req, reason)
 
     def _awaiting(self, rid: str) -> Req | None:
@@ -316,7 +315,7 @@ class Scheduler:
             return False
         error = req.compiled.exception()
         if error is not None:
-            reason = {"type": "abort", "message": f"the grammar did not compile: {error}", "status_code": 400}
+            reason = Abort(f"the grammar did not compile: {error}", 400)
             self.failed.append(self._finish(req, reason))
             return False
         # EOS ends a grammar even with ignore_eos: the model, not the first chance, decides the end.
@@ -547,7 +546,7 @@ class Scheduler:
                 if reason is not None:
                     break
             if reason is None and error is not None:
-                reason = {"type": "abort", "message": error, "status_code": 400}
+                reason = Abort(error, 400)
             self.counters["spec_accepted_tokens"] += max(0, min(emitted, len(toks) - 1))  # drafts among them
             # The KV of every token but the last is kept: the drafts' slots past it are rejected ones.
             # A request that emitted nothing (a sampling error) keeps its last token's KV too: the
@@ -560,7 +559,7 @@ class Scheduler:
                 del req.slots[-rejected:]
             req.drafts = []
             held = req.bootstrap is not None and self.disaggregation == "prefill"
-            if reason is not None and held and reason["type"] != "abort":  # its KV goes to decode first
+            if reason is not None and held and not isinstance(reason, Abort):  # its KV goes to decode first
                 self.running.remove(req)
                 self.sending[req.rid] = (req, reason)
                 continue
@@ -578,7 +577,7 @@ class Scheduler:
             self._make_draft_batch()
         return new, finished
 
-    def _take_token(self, req: Req, tok: int, lp: float, top: list) -> dict | None:
+    def _take_token(self, req: Req, tok: int, lp: float, top: list) -> FinishReason | None:
         """Appends a sampled token to `req`; returns the reason it ends there, if it does."""
         req.output_ids.append(tok)
         req.logprobs.append(lp)
@@ -590,7 +589,7 @@ class Scheduler:
             and req.grammar_after is None
             and req.matcher.terminated
         ):
-            reason = {"type": "stop", "matched": None}  # complete, and no stop token to wait for
+            reason = Stop()  # complete, and no stop token to wait for
         return reason
 
     @staticmethod
@@ -643,15 +642,15 @@ class Scheduler:
             **(self.grammars.counters if self.grammars is not None else dict.fromkeys(GRAMMAR_COUNTERS, 0)),
         }
 
-    def _finish_reason(self, req: Req, tok: int) -> dict | None:
+    def _finish_reason(self, req: Req, tok: int) -> FinishReason | None:
         p = req.params
         if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
-            return {"type": "stop", "matched": tok}
+            return Stop(tok)
         if len(req.output_ids) >= p.max_new_tokens or req.seq_len >= self.context_len:
-            return {"type": "length", "length": len(req.output_ids)}
+            return Length(len(req.output_ids))
         return None
 
-    def _finish(self, req: Req, reason: dict) -> dict:
+    def _finish(self, req: Req, reason: FinishReason) -> dict:
         if req in self.running:
             self._release(req)
             self.running.remove(req)
@@ -663,14 +662,14 @@ class Scheduler:
             self.waiting.remove(req)
         return self._output(req, reason)
 
-    def _output(self, req: Req, reason: dict) -> dict:
+    def _output(self, req: Req, reason: FinishReason) -> dict:
         return {
             "rid": req.rid,
             "output_ids": list(req.output_ids),
             "return_logprob": req.return_logprob,
             "output_token_logprobs": list(req.logprobs) if req.return_logprob else [],
             "output_top_logprobs": list(req.top_logprobs) if req.return_logprob else [],
-            "finish_reason": reason,
+            "finish_reason": reason.wire(),
             "prompt_tokens": len(req.input_ids),
             "completion_tokens": len(req.output_ids),
             "cached_tokens": req.cached_tokens or 0,

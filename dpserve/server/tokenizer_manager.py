@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from dpserve.config import EngineConfig
 from dpserve.engine.front_end import FrontEnd, RequestState
 from dpserve.engine.worker_pool import WorkerFailure
+from dpserve.messages import Abort, Stop
 from dpserve.models.tokenizer import load_tokenizer
 from dpserve.sampling_params import SamplingParams
 from dpserve.scheduler.request import Bootstrap
@@ -220,7 +221,7 @@ class TokenizerManager:
             # The worker keeps generating until it hears of the stop string; drop those tokens.
             keep = len(stream.detok.ids) - stream.completion_tokens
             tokens, logprobs, tops = tokens[:keep], logprobs[:keep], tops[:keep]
-            stream.finish_reason = {"type": "stop", "matched": stream.detok.matched_stop}
+            stream.finish_reason = Stop(stream.detok.matched_stop).wire()
             self.front.abort(state.rid)
         elif state.output is not None and stream.finish_reason is None:
             stream.finish_reason = state.output["finish_reason"]
@@ -244,7 +245,7 @@ class TokenizerManager:
 
     def _abort(self, stream: _Stream, message: str) -> None:
         if stream.finish_reason is None:
-            stream.finish_reason = {"type": "abort", "message": message}
+            stream.finish_reason = Abort(message).wire()
             if self.failure is None:
                 self.front.abort(stream.state.rid)
         stream.event.set()
