@@ -32,7 +32,8 @@ import zmq
 from dpserve import cpu_ops
 from dpserve.config import EngineConfig
 from dpserve.models.gguf import resolve_model_path
-from dpserve.worker.loop import STACK_DUMP_SIGNAL, WorkerAddresses, heartbeat_interval, run_worker
+from dpserve.worker.channels import WorkerAddresses, heartbeat_interval
+from dpserve.worker.process import STACK_DUMP_SIGNAL, run_worker
 
 logger = logging.getLogger("dpserve")
 
@@ -118,7 +119,7 @@ def start_ranks(cfg: EngineConfig, addrs: WorkerAddresses) -> list[mp.Process]:
     """Starts this node's ranks (global ranks node_rank * ranks_per_node ...)."""
     first = cfg.node_rank * cfg.ranks_per_node
     # A fork server that has imported the worker (torch, transformers: ~3 s of CPU) forks each rank:
-    # only the first engine of a process pays for the imports. A rank still dies with the front end: it watches its starter's sentinel (worker/loop.py).
+    # only the first engine of a process pays for the imports. A rank still dies with the front end: it watches its starter's sentinel (worker/process.py).
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
     _start_fork_server()
@@ -159,7 +160,7 @@ def stop_ranks(procs: list[mp.Process], timeout: float | None = 10) -> None:
 
 
 class Watchdog:
-    """What the ranks' heartbeats say (`Heartbeat` in worker/loop.py): the rule behind
+    """What the ranks' heartbeats say (`Heartbeat` in worker/channels.py): the rule behind
     --watchdog-timeout. A rank heard from before is silent once no heartbeat came for `timeout`
     seconds while the front end was listening; a rank's step stalls once its current step-loop
     iteration has run for `timeout` plus two heartbeats (by then the rank has logged its stacks)."""

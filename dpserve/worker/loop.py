@@ -11,22 +11,13 @@
 
 from __future__ import annotations
 
-import contextlib
-import faulthandler
 import logging
-import multiprocessing as mp
-import multiprocessing.connection
-import os
-import signal
-import threading
 import time
-import traceback
 from collections import deque
 from dataclasses import dataclass, replace
 
 import torch
 import zmq
-from tqdm import tqdm
 
 from dpserve.config import EngineConfig
 from dpserve.disagg.bootstrap import DecodeLink, local_host
@@ -42,6 +33,7 @@ from dpserve.scheduler.scheduler import Scheduler
 from dpserve.step.exchange import exchange, share
 from dpserve.step.padding import calibrate
 from dpserve.step.records import MODES, GroupBatch, KVSend, StepLayout
+from dpserve.worker.channels import Heartbeat, WorkerAddresses
 from dpserve.worker.drafter import NextNDrafter
 from dpserve.worker.model_runner import ModelRunner
 from dpserve.worker.sampler import sample
@@ -54,9 +46,6 @@ IDLE_WAIT_MS = 500
 # The idle wait while a queued request's grammar compiles, or a decode request's KV is awaited.
 GRAMMAR_POLL_MS = 2
 STEP_LOG_LEN = 100_000
-# The watchdog's signal to a live rank: write every thread's Python stack to stderr (the log).
-STACK_DUMP_SIGNAL = signal.SIGUSR1
-SEND_LINGER_MS = 5000  # how long an exiting rank tries to deliver its last messages
 
 logger = logging.getLogger("dpserve.worker")
 
@@ -81,110 +70,6 @@ class StepRecord:
     comm_bytes: int = 0  # bytes the leader sent in the step's forward (collectives; NEXTN's drafts not)
     logit_rows: tuple[int, ...] = ()  # rows sampled by every DP group (what the LM head moves)
     rebalance: Rebalance | None = None  # --enable-eplb: the rebalance that ended after this step
-
-
-@dataclass(frozen=True)
-class WorkerAddresses:
-    dist_init: list[str]  # host:port for torch.distributed, per instance
-    requests: list[str]  # ZMQ address per DP group (front end -> group leader)
-    outputs: str  # ZMQ address of the front end's collector (every rank -> front end)
-
-
-def run_worker(rank: int, cfg: EngineConfig, addrs: WorkerAddresses) -> None:
-    """Process entry point for global rank `rank`; reports failures to the front end before exiting."""
-    logging.basicConfig(level=cfg.log_level.upper(), format=f"[rank {rank}] %(levelname)s %(message)s")
-    _leave_signals_to_front_end()
-    # tqdm's default lock is a multiprocessing semaphore: a rank killed or exiting at once would leak it.
-    tqdm.set_lock(threading.RLock())
-    if cfg.device == "cpu":
-        # The cores this instance may use (all, or those it was pinned to) shared out between its
-        # ranks: more threads than cores only thrash.
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // cfg.ranks_per_node))
-    ctx = zmq.Context()
-    out = ctx.socket(zmq.PUSH)
-    out.connect(addrs.outputs)
-    heartbeat = Heartbeat(rank, cfg.watchdog_timeout, ctx, addrs.outputs)
-    try:
-        Worker(rank, cfg, addrs, ctx, out, heartbeat).serve()
-    except BaseException as e:  # the front end must learn of every failure, never hang
-        logger.exception("failed")
-        heartbeat.stop()
-        error = {"type": "error", "rank": rank, "error": f"{type(e).__name__}: {e}"}
-        # A PUSH without a peer blocks: a front end that is gone (another node's, stopped) is not
-        # waited for beyond the linger.
-        if out.poll(SEND_LINGER_MS, zmq.POLLOUT):
-            out.send_pyobj({**error, "traceback": traceback.format_exc()}, flags=zmq.NOBLOCK)
-        # The message is only queued: destroying the context waits (up to the linger) until it is sent.
-        ctx.destroy(linger=SEND_LINGER_MS)
-        os._exit(1)
-    heartbeat.stop()
-    ctx.destroy(linger=SEND_LINGER_MS)  # every socket, the request socket of a leader's too
-
-
-def _leave_signals_to_front_end() -> None:
-    """Ctrl-C or a SIGTERM sent to the whole process group must reach the front end only, which
-    then stops every rank in order; a rank dies with the process that started it (the front end,
-    through the fork server) so it is never left orphaned."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    faulthandler.register(STACK_DUMP_SIGNAL, all_threads=True)
-    # Not PR_SET_PDEATHSIG: a rank's parent is the fork server, which outlives a killed front end.
-    starter = mp.parent_process()
-    if starter is not None:
-
-        def die_with_starter() -> None:
-            mp.connection.wait([starter.sentinel])
-            os.kill(os.getpid(), signal.SIGKILL)
-
-        threading.Thread(target=die_with_starter, daemon=True, name="die-with-front-end").start()
-
-
-def heartbeat_interval(watchdog_timeout: float) -> float:
-    """Seconds between a rank's heartbeats: a tenth of the watchdog's timeout, at most 1 s."""
-    return min(1.0, watchdog_timeout / 10)
-
-
-class Heartbeat:
-    """A thread of the rank's own that tells the front end every `heartbeat_interval` seconds that
-    the rank is alive and how long its current step-loop iteration has run (the watchdog's two
-    signals). Torch ops and collectives release the GIL, so a rank busy computing keeps beating; a
-    stopped or frozen process falls silent. An iteration past the timeout writes this rank's stacks
-    to the log once (a rank on another node than the front end can only do it itself); past twice
-    the timeout the rank exits."""
-
-    def __init__(self, rank: int, timeout: float, ctx: zmq.Context, address: str):
-        self.rank, self.timeout, self.interval = rank, timeout, heartbeat_interval(timeout)
-        self.step_start: float | None = None  # monotonic start of the iteration running now
-        self._stopped = threading.Event()
-        self._thread = threading.Thread(
-            target=self._run, args=(ctx, address), name="dpserve-heartbeat", daemon=True
-        )
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stopped.set()
-        self._thread.join()
-
-    def _run(self, ctx: zmq.Context, address: str) -> None:
-        sock = ctx.socket(zmq.PUSH)  # a socket of its own: zmq sockets are not thread-safe
-        sock.connect(address)
-        dumped_for = None
-        while not self._stopped.wait(self.interval):
-            start = self.step_start
-            age = 0.0 if start is None else time.monotonic() - start
-            if age >= self.timeout and dumped_for != start:
-                dumped_for = start
-                logger.error("a step has run for %.1f s (watchdog timeout %g s); stacks:", age, self.timeout)
-                faulthandler.dump_traceback(all_threads=True)
-            if age >= 2 * self.timeout:
-                # The front end gave the instance up a timeout ago; on another node nobody else would
-                # stop this rank (its peers may be stopped, not dead, so its collective never fails).
-                logger.error("a step has run for %.1f s, twice the watchdog timeout: exiting", age)
-                os._exit(1)
-            # Never block: a front end that is not reading (an idle Engine) lets the queue fill.
-            with contextlib.suppress(zmq.Again):
-                sock.send_pyobj({"type": "heartbeat", "rank": self.rank, "step_age": age}, flags=zmq.NOBLOCK)
-        sock.close(linger=0)
 
 
 class Worker:
