@@ -363,8 +363,8 @@ class EngineConfig:
     )
     disaggregation_transfer_backend: str = option(
         "mooncake",
-        "what moves the KV: mooncake (Mooncake's transfer engine: TCP between hosts on the CPU wheel, "
-        "RDMA or NVLink on the CUDA one); nixl is SGLang's other backend, not built here (refused)",
+        "what moves the KV: mooncake (Mooncake's transfer engine, over TCP: its RDMA and NVLink "
+        "transports are not wired up here); nixl is SGLang's other backend, not built here (refused)",
         choices=("mooncake", "nixl"),
     )
     disaggregation_timeout: float = option(

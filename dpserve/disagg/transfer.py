@@ -15,7 +15,8 @@ heads (GQA: its share of them, or one replicated; MLA's latent is one head every
 of a row copies those heads of each slot (a row holds its heads one after another).
 
 The CPU wheel (`mooncake-transfer-engine-non-cuda`, which needs Debian's `libibverbs1`) moves host
-memory over TCP; on GPUs the CUDA wheel moves device memory over RDMA or NVLink, same calls.
+memory over TCP, the only transport the worker starts (`KVTransfer(host)`); the CUDA wheel's RDMA
+and NVLink transports take the same calls with another `protocol`, but nothing selects them yet.
 """
 
 from __future__ import annotations
