@@ -97,49 +97,14 @@ class Worker:
         self.runner = runner = ModelRunner(cfg, model_cfg, self.groups, device)
         if cfg.dp_padding_mode == "auto" and topo.dp_size > 1:
             runner.policy.cost = calibrate(runner.idle_step, topo, device, self.groups.world_cpu)
-        self.drafter = None
-        if runner.model.mtp is not None:
-            self.drafter = NextNDrafter(
-                runner.model,
-                runner.req_to_token,
-                runner.policy,
-                runner.max_total_num_tokens,
-                cfg.speculative_num_steps,
-                model_cfg.context_len,
-                cfg.kv_dtype,
-            )
+        self.drafter = self._drafter(cfg, model_cfg)
         self.out, self.scheduler, self.requests = out, None, None
         self.transfer, self.link, self.nextn = None, None, cfg.nextn
         self.kv_heads = 1 if model_cfg.is_mla else model_cfg.num_kv_heads  # MLA: one latent, every rank
         if cfg.disaggregation_mode != "null":
             self._start_transfer(cfg)
         if topo.is_group_leader:
-            self.scheduler = Scheduler(
-                self.dp_rank,
-                runner.max_total_num_tokens,
-                cfg.running_per_group,
-                cfg.chunk_per_group,
-                model_cfg.context_len,
-                model_cfg.vocab_size,
-                model_cfg.eos_token_ids,
-                cfg.random_seed,
-                radix_cache=not cfg.disable_radix_cache,
-                device=device,
-                num_drafts=cfg.num_drafts,
-                speculative_algorithm=cfg.speculative_algorithm or "NGRAM",
-                window=runner.window,
-                window_capacity=runner.window_tokens,
-                disaggregation=cfg.disaggregation_mode,
-                grammars=GrammarCache(
-                    cfg.model_path,
-                    model_cfg.vocab_size,
-                    model_cfg.eos_token_ids,
-                    cfg.grammar_cache_size,
-                    cfg.grammar_max_whitespace,
-                )
-                if cfg.grammar_backend == "xgrammar"
-                else None,
-            )
+            self.scheduler = self._scheduler(cfg, model_cfg, device)
             self.requests = ctx.socket(zmq.PULL)
             self.requests.connect(addrs.requests[self.dp_rank])
         self.step_counts = {"steps_eager": 0, "steps_padded": 0}
@@ -162,6 +127,51 @@ class Worker:
         figures = {k: getattr(runner, k) for k in RANK_FIGURES}
         out.send_pyobj(
             {"type": "ready", "rank": rank, "dp_rank": self.dp_rank, **figures, "stats": self._stats()}
+        )
+
+    def _drafter(self, cfg: EngineConfig, model_cfg: ModelConfig) -> NextNDrafter | None:
+        """NEXTN's drafter over the model's MTP layers (None without them)."""
+        runner = self.runner
+        if runner.model.mtp is None:
+            return None
+        return NextNDrafter(
+            runner.model,
+            runner.req_to_token,
+            runner.policy,
+            runner.max_total_num_tokens,
+            cfg.speculative_num_steps,
+            model_cfg.context_len,
+            cfg.kv_dtype,
+        )
+
+    def _scheduler(self, cfg: EngineConfig, model_cfg: ModelConfig, device: torch.device) -> Scheduler:
+        """A group leader's scheduler over the group's pool (and its grammar cache)."""
+        grammars = None
+        if cfg.grammar_backend == "xgrammar":
+            grammars = GrammarCache(
+                cfg.model_path,
+                model_cfg.vocab_size,
+                model_cfg.eos_token_ids,
+                cfg.grammar_cache_size,
+                cfg.grammar_max_whitespace,
+            )
+        return Scheduler(
+            self.dp_rank,
+            self.runner.max_total_num_tokens,
+            cfg.running_per_group,
+            cfg.chunk_per_group,
+            model_cfg.context_len,
+            model_cfg.vocab_size,
+            model_cfg.eos_token_ids,
+            cfg.random_seed,
+            radix_cache=not cfg.disable_radix_cache,
+            device=device,
+            num_drafts=cfg.num_drafts,
+            speculative_algorithm=cfg.speculative_algorithm or "NGRAM",
+            window=self.runner.window,
+            window_capacity=self.runner.window_tokens,
+            disaggregation=cfg.disaggregation_mode,
+            grammars=grammars,
         )
 
     def _start_transfer(self, cfg: EngineConfig) -> None:
