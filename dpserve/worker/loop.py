@@ -324,12 +324,7 @@ class Worker:
         """5. The leader samples; NEXTN drafts on every rank; the leader logs the step."""
         s = self.scheduler
         if s is not None and batch.reqs:
-            if batch.num_logit_rows:
-                i = sampling_inputs(s.sampled(), s.token_counts, s.vocab_size, s.eos_ids)
-                samples = sample(logits, i.params, i.keys, i.drafts, i.penalties, i.grammar)
-            else:
-                samples = ([], [], [], [])
-            self.report.add(*s.process_samples(*samples))
+            self.report.add(*s.process_samples(*self._sample(batch, logits)))
         if self.drafter is not None:
             draft_batch = share(s.draft_batch if s else None, self.groups)
             sizes = exchange(draft_batch.sizes(self.drafter.num_steps, self.drafter.context_len), self.groups)
@@ -345,18 +340,7 @@ class Worker:
         if s is None:
             return
         if rebalance is not None:
-            logger.info(
-                "expert rebalance after step %d: %d slots, %.1f MiB between ranks in %.2f s; imbalance "
-                "%.3f -> %.3f",
-                rebalance.step,
-                rebalance.slots_moved,
-                rebalance.bytes_moved / 2**20,
-                rebalance.seconds,
-                rebalance.imbalance_before,
-                rebalance.imbalance_after,
-            )
-            self.report.rebalances.append(rebalance)
-            self.report.changed = True
+            self._report_rebalance(rebalance)
         self.step_counts["steps_padded" if layout.padded else "steps_eager"] += 1
         record = StepRecord(
             kind=kind,
@@ -378,18 +362,44 @@ class Worker:
         self._log_pending()
         if load is None:
             self.step_log.append(record)
-            return
-        self.expert_load += rows  # the leader's, for get_expert_load
+        else:
+            self.expert_load += rows  # the leader's, for get_expert_load
+            self._pending = (record, *self._imbalance(load))
+
+    def _sample(self, batch: GroupBatch, logits: torch.Tensor) -> tuple:
+        """The leader's samples of the step's logits rows (none when no request samples)."""
+        if not batch.num_logit_rows:
+            return [], [], [], []
+        s = self.scheduler
+        i = sampling_inputs(s.sampled(), s.token_counts, s.vocab_size, s.eos_ids)
+        return sample(logits, i.params, i.keys, i.drafts, i.penalties, i.grammar)
+
+    def _report_rebalance(self, rebalance: Rebalance) -> None:
+        logger.info(
+            "expert rebalance after step %d: %d slots, %.1f MiB between ranks in %.2f s; imbalance %.3f -> %.3f",
+            rebalance.step,
+            rebalance.slots_moved,
+            rebalance.bytes_moved / 2**20,
+            rebalance.seconds,
+            rebalance.imbalance_before,
+            rebalance.imbalance_after,
+        )
+        self.report.rebalances.append(rebalance)
+        self.report.changed = True
+
+    def _imbalance(self, load: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """The step's MoE rows of the busiest EP rank over the mean rank's, its copy to the host
+        queued (read a step later, after the next sampling sync: reading it now would be a second
+        sync per step, waiting for the drafts), and the event that says the copy is done (GPU)."""
         ep = self.runner.model.moe_layers[0].ep_ranks
         per_rank = load.view(load.shape[0], ep, -1).sum((0, 2)).float()
         imbalance = torch.where(per_rank.sum() > 0, per_rank.max() / per_rank.mean(), 1.0)
-        # Read a step later (after the next sampling sync), not now: reading it now would be a second
-        # sync per step, waiting for the drafts.
+        host = imbalance.to("cpu", non_blocking=True)
         done = None
-        if imbalance.is_cuda:
+        if imbalance.is_cuda:  # recorded after the copy: its completion says the host value is there
             done = torch.cuda.Event()
             done.record()
-        self._pending = (record, imbalance.to("cpu", non_blocking=True), done)
+        return host, done
 
     def _log_pending(self) -> None:
         """Logs the last MoE step with its expert imbalance, whose copy to the host was queued then."""
