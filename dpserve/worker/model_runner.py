@@ -78,13 +78,7 @@ class ModelRunner:
         self.model = load_model(cfg, model_cfg, groups, device)
         self.dtype = cfg.torch_dtype
         self.weight_bytes = param_bytes(self.model)
-        if model_cfg.quant is not None:
-            q, kernels = model_cfg.quant, kernels_used(self.model, model_cfg.quant, device)
-            logger.info("%s weights (%s) kept 8-bit: %s", q.method, q.describe(), kernels)
-        if device.type == "cpu" and not cfg.enable_torch_compile:  # inductor packs compiled steps itself
-            packed = pack_linears_for_cpu(self.model)
-            if packed:
-                logger.info("%d linear layers packed for oneDNN (bfloat16 on the CPU)", packed)
+        self._prepare_weights()
         self.kv_shapes = self.model.kv_entry_shapes()
         # The hybrid sliding-window pool: window layers keep only their windows' KV, in slots of their own.
         self.window = 0 if cfg.disable_hybrid_swa_memory else self.model.window
@@ -120,6 +114,23 @@ class ModelRunner:
             self.window_tokens,
             cfg.kv_dtype,
         )
+        self._log_memory(local_tokens)
+        self.graphs = None
+        self.forward_hidden = self.model.forward_hidden
+        self._capture(max_kv_len)
+
+    def _prepare_weights(self) -> None:
+        """Says which kernels multiply 8-bit weights; packs bfloat16 CPU weights for oneDNN."""
+        cfg, model_cfg, device = self.cfg, self.model_cfg, self.device
+        if model_cfg.quant is not None:
+            q, kernels = model_cfg.quant, kernels_used(self.model, model_cfg.quant, device)
+            logger.info("%s weights (%s) kept 8-bit: %s", q.method, q.describe(), kernels)
+        if device.type == "cpu" and not cfg.enable_torch_compile:  # inductor packs compiled steps itself
+            packed = pack_linears_for_cpu(self.model)
+            if packed:
+                logger.info("%d linear layers packed for oneDNN (bfloat16 on the CPU)", packed)
+
+    def _log_memory(self, local_tokens: int) -> None:
         logger.info(
             "dp_rank %d attn_tp_rank %d: weights %.1f MiB, activation peak %.1f MiB, KV budget holds %d "
             "tokens here; KV pool of %d tokens (the instance's minimum) x %d bytes (%.1f MiB)%s",
@@ -136,8 +147,10 @@ class ModelRunner:
             if self.window
             else "",
         )
-        self.graphs = None
-        self.forward_hidden = self.model.forward_hidden
+
+    def _capture(self, max_kv_len: int) -> None:
+        """Padded decode steps compiled (--enable-torch-compile) and, on a GPU, captured as graphs."""
+        cfg = self.cfg
         if cfg.enable_torch_compile and cfg.graph_buckets:
             compiled = CompiledDecode(self.model, self.policy.padded_layouts(), cfg.torch_compile_max_bs)
             self.forward_hidden = compiled.forward_hidden
