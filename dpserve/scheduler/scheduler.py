@@ -47,6 +47,17 @@ NEW_TOKEN_RATIO_DECAY = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / 600  # pe
 NEW_TOKEN_RATIO_STEP_UP = 0.1  # after a retraction at or above the initial ratio
 ESTIMATE_CLIP = 4096  # decode tokens counted per request in the estimate (as SGLang)
 MAX_RETRACTIONS = 3
+# A group's running totals (in get_metrics and /metrics).
+COUNTERS = (
+    "generated_tokens",
+    "prefilled_tokens",
+    "retractions",
+    "cache_hit_tokens",
+    "cache_evicted_tokens",
+    "spec_verify_steps",  # request-steps decoded with speculation on
+    "spec_draft_tokens",  # drafts proposed
+    "spec_accepted_tokens",  # drafts the model agreed with
+)
 GRAMMAR_ERROR = 422  # the status of a request whose grammar refused a sampled token ("grammar_error")
 
 
@@ -122,19 +133,7 @@ class Scheduler:
         self._step_reqs: list[Req] = []  # the last batch's requests, in its order
         self._batch = GroupBatch()  # the last batch
         self._prefilled: list[Req] = []  # those of them that prefilled
-        self.counters = dict.fromkeys(
-            (
-                "generated_tokens",
-                "prefilled_tokens",
-                "retractions",
-                "cache_hit_tokens",
-                "cache_evicted_tokens",
-                "spec_verify_steps",  # request-steps decoded with speculation on
-                "spec_draft_tokens",  # drafts proposed
-                "spec_accepted_tokens",  # drafts the model agreed with
-            ),
-            0,
-        )
+        self.counters = dict.fromkeys(COUNTERS, 0)
         self.step_retractions = 0  # in the last schedule() call
         self.admitted: list[tuple[str, int]] = []  # (rid, cached prompt tokens) first admitted by it
         self.failed: list[dict] = []  # outputs of requests it ended: their grammar did not compile
@@ -548,16 +547,7 @@ class Scheduler:
             if reason is None and error is not None:
                 reason = Abort(error, 400)
             self.counters["spec_accepted_tokens"] += max(0, min(emitted, len(toks) - 1))  # drafts among them
-            # The KV of every token but the last is kept: the drafts' slots past it are rejected ones.
-            # A request that emitted nothing (a sampling error) keeps its last token's KV too: the
-            # prefix cache may hold it already.
-            rejected = req.kv_len - (req.seq_len - 1 if emitted else min(req.kv_len, req.seq_len))
-            if rejected > 0:
-                if self.windows is not None:
-                    self.windows.release(req.slots[-rejected:])
-                self.allocator.free(req.slots[-rejected:])
-                del req.slots[-rejected:]
-            req.drafts = []
+            self._free_rejected(req, emitted)
             held = req.bootstrap is not None and self.disaggregation == "prefill"
             if reason is not None and held and not isinstance(reason, Abort):  # its KV goes to decode first
                 self.running.remove(req)
@@ -576,6 +566,18 @@ class Scheduler:
         if self.nextn:
             self._make_draft_batch()
         return new, finished
+
+    def _free_rejected(self, req: Req, emitted: int) -> None:
+        """Frees the KV of the drafts a verify step rejected: that of every token but the last is kept.
+        A request that emitted nothing (a sampling error) keeps its last token's KV too: the prefix
+        cache may hold it already."""
+        rejected = req.kv_len - (req.seq_len - 1 if emitted else min(req.kv_len, req.seq_len))
+        if rejected > 0:
+            if self.windows is not None:
+                self.windows.release(req.slots[-rejected:])
+            self.allocator.free(req.slots[-rejected:])
+            del req.slots[-rejected:]
+        req.drafts = []
 
     def _take_token(self, req: Req, tok: int, lp: float, top: list) -> FinishReason | None:
         """Appends a sampled token to `req`; returns the reason it ends there, if it does."""
