@@ -207,6 +207,22 @@ class OpenAIServing:
             "finish_reason": finish_reason(chunks[-1]),
         }
 
+    def _chat_logprobs(self, chunks: list[Chunk]) -> dict:
+        """A chat choice's logprobs: each token's, its bytes and its top alternatives'."""
+        return {
+            "content": [
+                {
+                    "token": t,
+                    "logprob": lp,
+                    "bytes": list(t.encode()),
+                    "top_logprobs": [
+                        {"token": a, "logprob": alp, "bytes": list(a.encode())} for a, alp in top
+                    ],
+                }
+                for t, lp, top in self._token_logprobs(chunks)
+            ]
+        }
+
     def _chat_choice(
         self,
         index: int,
@@ -220,21 +236,7 @@ class OpenAIServing:
         """A chat choice: the whole message (`final`) or a stream delta; with `splitters` (a
         reasoning parser), each choice's reasoning apart from its content; with `calls` (tools),
         its tool calls (`ToolCallStream`)."""
-        logprobs = None
-        if with_logprobs:
-            logprobs = {
-                "content": [
-                    {
-                        "token": t,
-                        "logprob": lp,
-                        "bytes": list(t.encode()),
-                        "top_logprobs": [
-                            {"token": a, "logprob": alp, "bytes": list(a.encode())} for a, alp in top
-                        ],
-                    }
-                    for t, lp, top in self._token_logprobs(chunks)
-                ]
-            }
+        logprobs = self._chat_logprobs(chunks) if with_logprobs else None
         text = "".join(c.text for c in chunks)
         out = {"index": index, "logprobs": logprobs, "finish_reason": finish_reason(chunks[-1])}
         reasoning, tool_calls = None, []
