@@ -93,28 +93,39 @@ def sample(
             r for i, p in enumerate(params) if p.top_logprobs_num for r in range(starts[i], starts[i + 1])
         ]
     t = stage(ints, logits.device, floats)
+    counts = penalties.counts if adjusting and penalties else None
+    flat = _choose(logits, t, adjusting, counts, grammar, len(sampled), top_n)
+    n = starts[-1]
+    accepted_of = dict(zip(sampled, (int(x) for x in flat[3 * n : 3 * n + len(sampled)]), strict=True))
+    tokens, lps, errors = _emitted(params, drafts, starts, flat[: 3 * n], accepted_of)
+    top: list[list[list[tuple[int, float]]]] = [[[] for _ in toks] for toks in tokens]
+    if top_n:
+        _fill_top(top, flat[3 * n + len(sampled) :], ints["top_rows"], starts, params, top_n)
+    return Samples(tokens, lps, top, errors)
 
+
+def _choose(
+    logits: torch.Tensor,
+    t: dict[str, torch.Tensor],
+    adjusting: bool,
+    counts: TokenCounts | None,
+    grammar: GrammarMask | None,
+    sampled: int,
+    top_n: int,
+) -> list[float]:
+    """On the device: every row's token, its logprob under the model and whether any token could
+    be sampled, then the sampled requests' accepted drafts, then the top alternatives (values, ids),
+    brought back in one transfer."""
     logits = logits.float()
     logprobs = logits.log_softmax(-1)
     if adjusting:
-        logits = adjust_logits(logits, t, penalties.counts if penalties else None)
+        logits = adjust_logits(logits, t, counts)
     if grammar is not None:
         apply_bitmask(logits, *grammar)  # in place: `logprobs` above is its own tensor
     usable = logits.amax(-1) > float("-inf")  # False for a row all -inf or holding a NaN
     tok = logits.argmax(-1)  # each row's token: the greedy choice, or for sampled rows as below
     if sampled:
-        probs = filtered_probs(logits[t["rows"]], t["temperature"], t["top_k"], t["top_p"], t["min_p"])
-        u = uniforms(t["seed_lo"], t["seed_hi"], t["counter"], probs.shape[1] + 1)
-        sampled_tok, accepted = rejection_sample(
-            probs,
-            t["draft"],
-            t["has_draft"] != 0,
-            u[:, -1],
-            -u[:, :-1].log(),
-            t["segments"].view(len(sampled), -1),
-            t["row_req"],
-            t["row_j"],
-        )
+        sampled_tok, accepted = _draw(logits, t, sampled)
         tok = tok.index_copy(0, t["rows"], sampled_tok)
     parts = [tok.double(), logprobs.gather(1, tok[:, None])[:, 0].double(), usable.double()]
     if sampled:
@@ -122,11 +133,39 @@ def sample(
     if top_n:
         values, ids = logprobs[t["top_rows"]].topk(top_n)
         parts += [values.double().flatten(), ids.double().flatten()]
-    flat = torch.cat(parts).tolist()  # the one transfer back
+    return torch.cat(parts).tolist()  # the one transfer back
 
+
+def _draw(
+    logits: torch.Tensor, t: dict[str, torch.Tensor], requests: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sampled requests' rows: their filtered distributions, drafts accepted by rejection
+    sampling and the next token drawn (the exponential race), from the rows' own uniforms."""
+    probs = filtered_probs(logits[t["rows"]], t["temperature"], t["top_k"], t["top_p"], t["min_p"])
+    u = uniforms(t["seed_lo"], t["seed_hi"], t["counter"], probs.shape[1] + 1)
+    return rejection_sample(
+        probs,
+        t["draft"],
+        t["has_draft"] != 0,
+        u[:, -1],
+        -u[:, :-1].log(),
+        t["segments"].view(requests, -1),
+        t["row_req"],
+        t["row_j"],
+    )
+
+
+def _emitted(
+    params: list[SamplingParams],
+    drafts: list[list[int]],
+    starts: list[int],
+    rows: list[float],
+    accepted_of: dict[int, int],
+) -> tuple[list[list[int]], list[list[float]], list[str | None]]:
+    """Each request's tokens and logprobs from its rows' (`rows`: every row's token, then its
+    logprob, then whether it could be sampled), none past a row that could not, and why not."""
     n = starts[-1]
-    row_tok, row_lp, row_ok = [int(x) for x in flat[:n]], flat[n : 2 * n], flat[2 * n : 3 * n]
-    accepted_of = dict(zip(sampled, (int(x) for x in flat[3 * n : 3 * n + len(sampled)]), strict=True))
+    row_tok, row_lp, row_ok = [int(x) for x in rows[:n]], rows[n : 2 * n], rows[2 * n : 3 * n]
     tokens, lps, errors = [], [], []
     for i, p in enumerate(params):
         first, last = starts[i], starts[i + 1]
@@ -136,19 +175,26 @@ def sample(
         tokens.append(row_tok[first : first + good])
         lps.append(row_lp[first : first + good])
         errors.append(None if good == count else NO_TOKEN)
-    top: list[list[list[tuple[int, float]]]] = [[[] for _ in toks] for toks in tokens]
-    if top_n:
-        flat = flat[3 * n + len(sampled) :]
-        values, ids = flat[: len(flat) // 2], [int(x) for x in flat[len(flat) // 2 :]]
-        for k, row in enumerate(ints["top_rows"]):
-            i = bisect_right(starts, row) - 1
-            if row - starts[i] < len(tokens[i]):
-                num = params[i].top_logprobs_num
-                pairs = zip(
-                    ids[k * top_n : k * top_n + num], values[k * top_n : k * top_n + num], strict=True
-                )
-                top[i][row - starts[i]] = list(pairs)
-    return Samples(tokens, lps, top, errors)
+    return tokens, lps, errors
+
+
+def _fill_top(
+    top: list[list[list[tuple[int, float]]]],
+    flat: list[float],
+    top_rows: list[int],
+    starts: list[int],
+    params: list[SamplingParams],
+    top_n: int,
+) -> None:
+    """The top alternatives of every emitted token that asked for them, from `flat` (the top_n
+    values of each of `top_rows`, then their ids)."""
+    values, ids = flat[: len(flat) // 2], [int(x) for x in flat[len(flat) // 2 :]]
+    for k, row in enumerate(top_rows):
+        i = bisect_right(starts, row) - 1
+        if row - starts[i] < len(top[i]):
+            num = params[i].top_logprobs_num
+            pairs = zip(ids[k * top_n : k * top_n + num], values[k * top_n : k * top_n + num], strict=True)
+            top[i][row - starts[i]] = list(pairs)
 
 
 def _sampling_inputs(
