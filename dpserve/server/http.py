@@ -80,7 +80,6 @@ def create_app(tm: TokenizerManager, model_name: str, admission: Admission | Non
     admission = admission or Admission()
     admission.running_capacity = tm.cfg.running_per_group * tm.cfg.dp_size
     admission.reported_waiting = lambda: sum(s.get("queued", 0) for s in tm.front.stats)
-    openai = OpenAIServing(tm, model_name)
     tm.metrics_registry.watch_admission(admission.figures)
 
     @asynccontextmanager
@@ -91,6 +90,15 @@ def create_app(tm: TokenizerManager, model_name: str, admission: Admission | Non
 
     app = FastAPI(title="dpserve", lifespan=lifespan, responses=errors(401))
     app.openapi = lambda: _openapi(app, model_name, tm.model_cfg.vocab_size)
+    _add_error_handlers(app)
+    _add_server_routes(app, tm, model_name, admission)
+    _add_cache_and_metrics_routes(app, tm)
+    _add_generation_routes(app, tm, OpenAIServing(tm, model_name))
+    return admission.middleware(app)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error as the OpenAI-style JSON body, with its status."""
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
@@ -112,6 +120,10 @@ def create_app(tm: TokenizerManager, model_name: str, admission: Admission | Non
     @app.exception_handler(ClientDisconnected)
     async def _gone(request: Request, exc: ClientDisconnected):
         return error_response(499, "the client disconnected")
+
+
+def _add_server_routes(app: FastAPI, tm: TokenizerManager, model_name: str, admission: Admission) -> None:
+    """SGLang's server endpoints: health, server and model info, load."""
 
     @app.get("/health", response_class=PlainTextResponse, responses={200: PLAIN_TEXT, **errors(503)})
     async def health():
@@ -161,6 +173,10 @@ def create_app(tm: TokenizerManager, model_name: str, admission: Admission | Non
             for g in tm.front.metrics()["dp_ranks"]
         ]
 
+
+def _add_cache_and_metrics_routes(app: FastAPI, tm: TokenizerManager) -> None:
+    """SGLang's operations: flushing the prefix cache, dumping the expert load; /metrics."""
+
     @app.post("/flush_cache", response_class=PlainTextResponse, responses={200: PLAIN_TEXT, **errors(413)})
     async def flush_cache():
         tm.front.flush_cache()
@@ -175,6 +191,10 @@ def create_app(tm: TokenizerManager, model_name: str, admission: Admission | Non
     @app.get("/metrics", response_class=PlainTextResponse, responses={200: PLAIN_TEXT})
     async def metrics():
         return Response(tm.metrics_registry.render(), media_type=CONTENT_TYPE)
+
+
+def _add_generation_routes(app: FastAPI, tm: TokenizerManager, openai: OpenAIServing) -> None:
+    """The OpenAI API and SGLang's native /generate."""
 
     @app.get("/v1/models")
     async def models():
@@ -193,8 +213,6 @@ def create_app(tm: TokenizerManager, model_name: str, admission: Admission | Non
         if body.model is not None:
             openai.check_model(body.model)
         return await native_generate(tm, body, request)
-
-    return admission.middleware(app)
 
 
 def _openapi(app: FastAPI, model_name: str, vocab_size: int) -> dict:
