@@ -164,6 +164,9 @@ def serve(
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     logger.info("serving %s on http://%s:%d", model_name, host, port)
+    # Listening from now on (the engine is ready): uvicorn logs "Application startup complete"
+    # before it starts accepting, and a request sent in between must queue, not be refused.
+    sock.listen(server.config.backlog)
     try:
         server.run(sockets=[sock])
     finally:
