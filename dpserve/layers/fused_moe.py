@@ -21,13 +21,11 @@ import torch
 from dpserve.layers.quant_triton import (
     activations,
     block_k,
-    group_dot,
     precision,
     scaled_sums,
-    tile_dot,
+    tile_step,
     weight_args,
     weight_format,
-    weight_tile,
     zero_sums,
 )
 from dpserve.triton_setup import tl, triton
@@ -127,7 +125,9 @@ def _gate_up_kernel(
                 mask=mask_m[:, None] & mask_k[None, :],
                 other=0,
             )
-            wg = weight_tile(
+            acc_g = tile_step(
+                acc_g,
+                a,
                 w_ptr,
                 s_ptr,
                 RowBlock,
@@ -136,12 +136,22 @@ def _gate_up_kernel(
                 offs_k,
                 mask_n,
                 mask_k,
+                k0,
+                XScale,
+                tok,
+                mask_m,
+                stride_as,
                 stride_wn,
                 stride_s0,
                 stride_s1,
                 WFORMAT,
+                PRECISION,
+                UPCAST,
+                BLOCK_K,
             )
-            wu = weight_tile(
+            acc_u = tile_step(
+                acc_u,
+                a,
                 w_ptr,
                 s_ptr,
                 RowBlock,
@@ -150,51 +160,19 @@ def _gate_up_kernel(
                 offs_k,
                 mask_n,
                 mask_k,
+                k0,
+                XScale,
+                tok,
+                mask_m,
+                stride_as,
                 stride_wn,
                 stride_s0,
                 stride_s1,
                 WFORMAT,
+                PRECISION,
+                UPCAST,
+                BLOCK_K,
             )
-            if WFORMAT == 3:
-                acc_g = group_dot(
-                    acc_g,
-                    a,
-                    wg,
-                    XScale,
-                    tok,
-                    mask_m,
-                    stride_as,
-                    k0,
-                    s_ptr,
-                    RowBlock,
-                    ColBlock,
-                    offs_n,
-                    mask_n,
-                    stride_s0,
-                    stride_s1,
-                    BLOCK_K,
-                )
-                acc_u = group_dot(
-                    acc_u,
-                    a,
-                    wu,
-                    XScale,
-                    tok,
-                    mask_m,
-                    stride_as,
-                    k0,
-                    s_ptr,
-                    RowBlock,
-                    ColBlock,
-                    offs_n + inter,
-                    mask_n,
-                    stride_s0,
-                    stride_s1,
-                    BLOCK_K,
-                )
-            else:
-                acc_g = tile_dot(acc_g, a, wg, WFORMAT, PRECISION, UPCAST)
-                acc_u = tile_dot(acc_u, a, wu, WFORMAT, PRECISION, UPCAST)
         acc_g = scaled_sums(
             acc_g, XScale, tok, mask_m, stride_as, s_ptr, RowBlock, offs_n, mask_n, stride_s0, WFORMAT
         )
@@ -267,7 +245,9 @@ def _down_kernel(
                 mask=mask_m[:, None] & mask_k[None, :],
                 other=0,
             )
-            w = weight_tile(
+            acc = tile_step(
+                acc,
+                a,
                 w_ptr,
                 s_ptr,
                 RowBlock,
@@ -276,32 +256,19 @@ def _down_kernel(
                 offs_k,
                 mask_n,
                 mask_k,
+                k0,
+                InterScale,
+                ids,
+                mask_m,
+                stride_as,
                 stride_wn,
                 stride_s0,
                 stride_s1,
                 WFORMAT,
+                PRECISION,
+                UPCAST,
+                BLOCK_K,
             )
-            if WFORMAT == 3:
-                acc = group_dot(
-                    acc,
-                    a,
-                    w,
-                    InterScale,
-                    ids,
-                    mask_m,
-                    stride_as,
-                    k0,
-                    s_ptr,
-                    RowBlock,
-                    ColBlock,
-                    offs_n,
-                    mask_n,
-                    stride_s0,
-                    stride_s1,
-                    BLOCK_K,
-                )
-            else:
-                acc = tile_dot(acc, a, w, WFORMAT, PRECISION, UPCAST)
         acc = scaled_sums(
             acc, InterScale, ids, mask_m, stride_as, s_ptr, RowBlock, offs_n, mask_n, stride_s0, WFORMAT
         )

@@ -144,6 +144,71 @@ def group_dot(
 
 
 @triton.jit
+def tile_step(
+    sums,
+    a,
+    W,
+    WScale,
+    RowBlock,
+    ColBlock,
+    offs_n,
+    offs_k,
+    mask_n,
+    mask_k,
+    k0,
+    AScale,
+    a_rows,
+    mask_m,
+    stride_as,
+    stride_wn,
+    stride_s0,
+    stride_s1,
+    WFORMAT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """One K step of a GEMM over an 8-bit (or plain) weight: the W.T tile at (offs_k, offs_n) in its
+    form (`weight_tile`) and its dot with `a`, summed into `sums` (`group_dot` under FP8 dots,
+    `tile_dot` otherwise). The linear kernel and both fused MoE kernels take their steps here."""
+    w = weight_tile(
+        W,
+        WScale,
+        RowBlock,
+        ColBlock,
+        offs_n,
+        offs_k,
+        mask_n,
+        mask_k,
+        stride_wn,
+        stride_s0,
+        stride_s1,
+        WFORMAT,
+    )
+    if WFORMAT == 3:
+        return group_dot(
+            sums,
+            a,
+            w,
+            AScale,
+            a_rows,
+            mask_m,
+            stride_as,
+            k0,
+            WScale,
+            RowBlock,
+            ColBlock,
+            offs_n,
+            mask_n,
+            stride_s0,
+            stride_s1,
+            BLOCK_K,
+        )
+    else:
+        return tile_dot(sums, a, w, WFORMAT, PRECISION, UPCAST)
+
+
+@triton.jit
 def scaled_sums(
     sums,
     AScale,
@@ -210,7 +275,9 @@ def _linear_kernel(
             mask=mask_m[:, None] & mask_k[None, :],
             other=0,
         )
-        w = weight_tile(
+        sums = tile_step(
+            sums,
+            a,
             W,
             WScale,
             RowBlock,
@@ -219,32 +286,19 @@ def _linear_kernel(
             offs_k,
             mask_n,
             mask_k,
+            k0,
+            XScale,
+            offs_m,
+            mask_m,
+            stride_as,
             stride_wn,
             stride_s0,
             stride_s1,
             WFORMAT,
+            PRECISION,
+            UPCAST,
+            BLOCK_K,
         )
-        if WFORMAT == 3:
-            sums = group_dot(
-                sums,
-                a,
-                w,
-                XScale,
-                offs_m,
-                mask_m,
-                stride_as,
-                k0,
-                WScale,
-                RowBlock,
-                ColBlock,
-                offs_n,
-                mask_n,
-                stride_s0,
-                stride_s1,
-                BLOCK_K,
-            )
-        else:
-            sums = tile_dot(sums, a, w, WFORMAT, PRECISION, UPCAST)
     out = scaled_sums(
         sums, XScale, offs_m, mask_m, stride_as, WScale, RowBlock, offs_n, mask_n, stride_s0, WFORMAT
     )
