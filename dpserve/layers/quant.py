@@ -223,13 +223,13 @@ def kernels_used(model: torch.nn.Module, spec: QuantSpec, device: torch.device) 
         return (
             "Triton GEMMs and fused MoE: activations quantized to int8 per token, int8 dots summed in int32"
         )
-    names = [(m, n) for m in model.modules() for n in quantized_weights_of(m)]
-    dots = sum(1 for m, n in names if getattr(m, f"{n}_group"))
     if not fp8_dots(device):
         return (
             f"Triton GEMMs and fused MoE, weight-only: FP8 tiles widened in the kernel (this GPU, sm"
             f"{''.join(map(str, torch.cuda.get_device_capability(device)))}, has no FP8 dots)"
         )
+    names = [(m, n) for m in model.modules() for n in quantized_weights_of(m)]
+    dots = sum(1 for m, n in names if getattr(m, f"{n}_group"))
     return (
         f"Triton GEMMs and fused MoE: FP8 dots with activations quantized per 1 x {spec.block[1]} group "
         f"for {dots} of {len(names)} weights; weight-only for the {len(names) - dots} whose rank's part "
