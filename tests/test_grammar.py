@@ -162,13 +162,13 @@ def test_a_token_the_grammar_refuses_ends_its_request_before_it_with_a_grammar_e
             is None
         )
     grammars.get(("regex", "[0-9]{4}")).result()
-    assert len(s.schedule().reqs) == 2
-    assert s.process_samples([[digit], [digit]], [[0.0], [0.0]]) == (
+    scheduled = s.schedule()
+    assert len(scheduled.batch.reqs) == 2
+    assert s.process_samples(scheduled, [[digit], [digit]], [[0.0], [0.0]]) == (
         [("bad", digit, 0.0, []), ("good", digit, 0.0, [])],
         [],
     )
-    s.schedule()
-    new, (bad,) = s.process_samples([[letter], [digit]], [[0.0], [0.0]])
+    new, (bad,) = s.process_samples(s.schedule(), [[letter], [digit]], [[0.0], [0.0]])
     assert new == [("good", digit, 0.0, [])] and bad["rid"] == "bad" and bad["output_ids"] == [digit]
     message = f"the grammar refused token {letter} at output position 1; the output ends before it"
     assert bad["finish_reason"] == {"type": "abort", "message": message, "status_code": 422}
@@ -180,8 +180,7 @@ def test_a_token_the_grammar_refuses_ends_its_request_before_it_with_a_grammar_e
     }
     assert_slots_consistent(s)
     for tok in (digit, digit, tokenizer.eos_token_id):  # the grammar's end, then its stop token
-        s.schedule()
-        finished = s.process_samples([[tok]], [[0.0]])[1]
+        finished = s.process_samples(s.schedule(), [[tok]], [[0.0]])[1]
     assert finished[0]["output_ids"] == [digit] * 4 + [tokenizer.eos_token_id]
     assert finished[0]["finish_reason"] == {"type": "stop", "matched": tokenizer.eos_token_id}
     assert not s.running and s.allocator.num_free + s.tree.size == 64

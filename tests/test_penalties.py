@@ -161,17 +161,19 @@ def run_leader(params: list[SamplingParams], num_drafts: int, capacity: int) -> 
         s.add(GenerateRequest(str(i), [3 + i, 9, 4 + 2 * i], p))
     outputs = {}
     while s.running or s.waiting:
-        s.schedule()
-        i = sampling_inputs(s.sampled(), s.token_counts, s.vocab_size, s.eos_ids)
+        scheduled = s.schedule()
+        i = sampling_inputs(scheduled.sampled, s.token_counts, s.vocab_size, s.eos_ids)
         rows = [
-            synthetic_logits(r.fill_ids + r.drafts[:j]) for r in s.sampled() for j in range(1 + len(r.drafts))
+            synthetic_logits(r.fill_ids + r.drafts[:j])
+            for r in scheduled.sampled
+            for j in range(1 + len(r.drafts))
         ]
         samples = (
             sample(torch.stack(rows), i.params, i.keys, i.drafts, i.penalties, i.grammar)
             if rows
             else ([], [], [], [])
         )
-        outputs.update((o["rid"], o["output_ids"]) for o in s.process_samples(*samples)[1])
+        outputs.update((o["rid"], o["output_ids"]) for o in s.process_samples(scheduled, *samples)[1])
     assert s.token_counts.rows == {}
     return [outputs[str(i)] for i in range(len(params))], s.counters
 

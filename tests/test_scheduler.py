@@ -10,9 +10,9 @@ import pytest
 from dpserve.kvcache.radix_cache import RadixTree
 from dpserve.sampling_params import SamplingParams
 from dpserve.scheduler.request import GenerateRequest
+from dpserve.scheduler.scheduled import ScheduledStep
 from dpserve.scheduler.scheduler import MAX_RETRACTIONS, Scheduler, largest_step
 from dpserve.speculative.rejection import greedy_accept
-from dpserve.step.records import GroupBatch
 from dpserve.worker.model_runner import peak_step
 
 
@@ -40,7 +40,8 @@ def periodic_token(fill: list[int]) -> int:
 def step(s: Scheduler, rule=next_token):
     """Runs one step: checks the plan against the request-to-slot table a rank keeps; the "model"
     verifies drafts greedily by `rule`."""
-    plan = s.schedule()
+    scheduled = s.schedule()
+    plan = scheduled.batch
     # Never more tokens than the step whose activation peak the workers measure at start-up.
     prompts, decoding = largest_step(s.chunk_size, s.max_running, s.num_drafts, s.context_len)
     assert plan.num_tokens <= sum(prompts) + decoding * (1 + s.num_drafts)
@@ -51,11 +52,11 @@ def step(s: Scheduler, rule=next_token):
         row.update(zip(range(r.start, r.seq_len), r.slots, strict=True))
         assert all(p in row for p in range(r.seq_len)), "a position the step attends has no slot"
     tokens = []
-    for r in [r for r in s._step_reqs if r.prefill_done]:
+    for r in scheduled.sampled:
         targets = [rule(r.fill_ids + r.drafts[:j]) for j in range(len(r.drafts) + 1)]
         tokens.append(greedy_accept(r.drafts, targets))
-    _, finished = s.process_samples(tokens, [[0.0] * len(t) for t in tokens])
-    return plan, finished
+    _, finished = s.process_samples(scheduled, tokens, [[0.0] * len(t) for t in tokens])
+    return scheduled, finished
 
 
 def run(
@@ -97,13 +98,15 @@ def assert_slots_consistent(s: Scheduler) -> None:
 def test_chunked_prefill_then_decode():
     s = make()
     s.add(request("a", 20))
-    plan, _ = step(s)
+    scheduled, _ = step(s)
+    plan = scheduled.batch
     assert plan.mode == "extend" and len(plan.reqs) == 1 and plan.reqs[0].tokens == list(range(3, 11))
     assert plan.reqs[0].sample is False and plan.reqs[0].start == 0
     step(s), step(s)  # the last chunk of "a" (4 tokens) samples its first token
     assert len(s.running[0].output_ids) == 1
     for _ in range(9):
-        plan, finished = step(s)
+        scheduled, finished = step(s)
+        plan = scheduled.batch
         assert plan.mode == "decode" and len(plan.reqs) == 1 and plan.reqs[0].sample
     assert [f["finish_reason"] for f in finished] == [{"type": "length", "length": 10}]
     # Nothing is held once it finished; its tokens stay cached.
@@ -115,9 +118,11 @@ def test_admission_by_estimate_runs_requests_side_by_side():
     s = make(capacity=100)
     s.add(request("a", 10, new=50))
     s.add(request("b", 10, new=50, first=50))
-    plan, _ = step(s)
+    scheduled, _ = step(s)
+    plan = scheduled.batch
     assert len(plan.reqs) == 1  # the chunk of 8 goes to a; b waits for budget, not memory
-    plan, _ = step(s)
+    scheduled, _ = step(s)
+    plan = scheduled.batch
     assert len(s.running) == 2 and [len(r.tokens) for r in plan.reqs] == [2, 6]
 
 
@@ -129,7 +134,8 @@ def test_prefill_budget_is_not_eaten_by_decodes():
     step(s)
     assert len(s.running) == 4 and all(r.prefill_done for r in s.running)
     s.add(request("late", 6, first=100))
-    plan, _ = step(s)
+    scheduled, _ = step(s)
+    plan = scheduled.batch
     assert plan.mode == "extend" and plan.num_tokens == 4 + 4  # a 4-token chunk beside 4 decodes
 
 
@@ -140,10 +146,11 @@ def test_largest_step_is_reached_and_measured():
     s = Scheduler(0, 200, 4, 4, 100, 300, eos_ids=(1,), seed=0, num_drafts=2, speculative_algorithm="NEXTN")
     for i in range(3):
         s.add(request(f"d{i}", 1, new=50, first=10 * i + 3))
-    step(s)
-    s.set_drafts([[5, 6]] * 3)  # the MTP layer's chains
+    scheduled, _ = step(s)
+    s.set_drafts(scheduled, [[5, 6]] * 3)  # the MTP layer's chains
     s.add(request("late", 6, first=100))
-    plan, _ = step(s)
+    scheduled, _ = step(s)
+    plan = scheduled.batch
     assert plan.mode == "extend" and plan.num_tokens == 4 + 3 * (1 + 2) > s.chunk_size
     assert largest_step(4, 4, 2, 100) == ([4], 3) and largest_step(10, 4, 2, 4) == ([4, 4], 2)
     cfg = SimpleNamespace(chunk_per_group=4, running_per_group=4, num_drafts=2)
@@ -195,7 +202,8 @@ def test_prefix_cache_hit_prefills_only_the_suffix():
     assert first["cached_tokens"] == 0
     again = GenerateRequest("b", shared.input_ids, shared.params)
     s.add(again)
-    plan, _ = step(s)
+    scheduled, _ = step(s)
+    plan = scheduled.batch
     # The whole prompt was cached but one token: its logits give the first new token.
     assert plan.reqs[0].start == 29 and plan.reqs[0].prefix and plan.reqs[0].tokens == shared.input_ids[-1:]
     out = run(s, [])["b"]
@@ -237,9 +245,9 @@ def test_abort_releases_locks_and_rejects_what_never_fits():
 def test_stop_on_eos():
     s = make()
     s.add(GenerateRequest("a", [5, 6], SamplingParams(max_new_tokens=10, temperature=0)))
-    plan = s.schedule()
-    _, finished = s.process_samples([[1]], [[0.0]])
-    assert finished[0]["finish_reason"] == {"type": "stop", "matched": 1} and plan.reqs[0].sample
+    scheduled = s.schedule()
+    _, finished = s.process_samples(scheduled, [[1]], [[0.0]])
+    assert finished[0]["finish_reason"] == {"type": "stop", "matched": 1} and scheduled.batch.reqs[0].sample
 
 
 def test_radix_tree_split_lock_evict():
@@ -329,10 +337,11 @@ def test_a_cached_prefix_reaches_the_table_even_when_its_admitting_step_adds_not
     other = request("c", 6, first=50)  # takes the table row a had, so b gets a row never written
     follow = request("b", 24)  # its first 20 tokens are a's prompt, cached
     assert s.add(other) is None and s.add(follow) is None
-    assert s._admit(s.waiting[0], reserved=0) and s.waiting.popleft() is s.running[-1]
-    assert s._admit(s.waiting[0], reserved=0)
+    admitting = ScheduledStep()
+    assert s._admit(admitting, s.waiting[0], reserved=0) and s.waiting.popleft() is s.running[-1]
+    assert s._admit(admitting, s.waiting[0], reserved=0)
     req = s.waiting.popleft()
-    assert req.cached_len == 20 and s._add_chunk(GroupBatch(), req, budget=0, reserved=0) == 0
+    assert req.cached_len == 20 and s._add_chunk(admitting, req, budget=0, reserved=0) == 0
     outputs = run(s, [])
     assert outputs["b"]["output_ids"] == expected_output(follow)
     assert outputs["c"]["output_ids"] == expected_output(other)

@@ -35,9 +35,10 @@ from dpserve.kvcache.radix_cache import RadixTree
 from dpserve.kvcache.window import WindowSlots
 from dpserve.messages import Abort, FinishReason, Length, Stop
 from dpserve.scheduler.request import GenerateRequest, Req, check_request, max_kv_len
+from dpserve.scheduler.scheduled import ScheduledStep
 from dpserve.scheduler.token_counts import TokenCounts
 from dpserve.speculative.ngram import propose_ngram
-from dpserve.step.records import BatchReq, DraftBatch, DraftReq, GroupBatch, KVSend
+from dpserve.step.records import BatchReq, DraftReq, KVSend
 
 logger = logging.getLogger(__name__)
 
@@ -104,8 +105,6 @@ class Scheduler:
     ):
         self.dp_rank, self.device, self.num_drafts = dp_rank, torch.device(device), num_drafts
         self.nextn = num_drafts > 0 and speculative_algorithm == "NEXTN"
-        self.draft_batch = DraftBatch()  # NEXTN: the MTP forwards after the last step
-        self._drafting: list[Req] = []  # its requests that draft, in its order
         self.kv_capacity = kv_capacity
         self.max_running, self.chunk_size = max_running, chunk_size
         self.context_len, self.vocab_size = context_len, vocab_size
@@ -119,10 +118,7 @@ class Scheduler:
         # decode side (with the finish reason they then report), and where each one's KV goes.
         self.sending: dict[str, tuple[Req, FinishReason]] = {}
         self.destinations: dict[str, dict] = {}
-        self._sends: list[str] = []  # the last batch's sends, by request
-        # Decode: requests whose slots this step reserved (their destination goes to the prefill
-        # side), and slots of ended requests the prefill side may still write into.
-        self.reserved: list[Req] = []
+        # Decode: slots of ended requests the prefill side may still write into.
         self.limbo: dict[str, tuple[list[int], list[int]]] = {}  # rid -> its slots, those with window slots
         self.free_rows = list(range(max_running, 0, -1))  # row 0 is the padding row
         self.seeds = random.Random(seed + dp_rank)  # of requests without their own
@@ -130,13 +126,7 @@ class Scheduler:
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
-        self._step_reqs: list[Req] = []  # the last batch's requests, in its order
-        self._batch = GroupBatch()  # the last batch
-        self._prefilled: list[Req] = []  # those of them that prefilled
         self.counters = dict.fromkeys(COUNTERS, 0)
-        self.step_retractions = 0  # in the last schedule() call
-        self.admitted: list[tuple[str, int]] = []  # (rid, cached prompt tokens) first admitted by it
-        self.failed: list[dict] = []  # outputs of requests it ended: their grammar did not compile
 
     # --- requests in and out ---------------------------------------------------------------------
 
@@ -174,10 +164,10 @@ class Scheduler:
         if rid in self.sending or any(r.rid == rid for r in [*self.waiting, *self.running]):
             self.destinations[rid] = dest
 
-    def sent(self, errors: list[str | None]) -> list[dict]:
-        """Prefill: the last batch's sends are done (or failed: their error); their requests end."""
+    def sent(self, step: ScheduledStep, errors: list[str | None]) -> list[dict]:
+        """Prefill: `step`'s sends are done (or failed: their error); their requests end."""
         out = []
-        for rid, error in zip(self._sends, errors, strict=True):
+        for rid, error in zip(step.sends, errors, strict=True):
             self.destinations.pop(rid, None)
             if rid not in self.sending:
                 continue
@@ -187,7 +177,6 @@ class Scheduler:
                 reason = Abort(message, 500, write_failed=True)
             drafts = req.proposed  # NEXTN: the MTP layer's first chain, for the decode side to verify
             out.append({**self._finish(req, reason), "drafts": drafts})
-        self._sends = []
         return out
 
     def kv_arrived(
@@ -247,21 +236,20 @@ class Scheduler:
 
     # --- scheduling ------------------------------------------------------------------------------
 
-    def schedule(self) -> GroupBatch:
-        self.step_retractions, self.admitted, self.failed, self.reserved = 0, [], [], []
-        decoding = self._make_room([r for r in self.running if r.prefill_done and not r.awaiting])
-        batch, self._step_reqs, self._prefilled = GroupBatch(), [], []
-        self._batch = batch
-        self.draft_batch, self._drafting = DraftBatch(), []
+    def schedule(self) -> ScheduledStep:
+        """The next step: chunks of prompts (a chunked one first, then admissions in order) and every
+        decoding request's token and drafts."""
+        step = ScheduledStep()
+        decoding = self._make_room(step, [r for r in self.running if r.prefill_done and not r.awaiting])
         budget = self.chunk_size
         for req in [r for r in self.running if not r.prefill_done]:  # a chunked prompt continues first
-            budget -= self._add_chunk(batch, req, budget, reserved=len(decoding))
+            budget -= self._add_chunk(step, req, budget, reserved=len(decoding))
         for req in list(self.waiting):  # in order; those whose grammar is being compiled wait aside
             if budget <= 0 or len(self.running) + len(self.sending) >= self.max_running:
                 break
-            if not self._grammar_ready(req):
+            if not self._grammar_ready(step, req):
                 continue
-            if not self._admit(req, reserved=len(decoding)):
+            if not self._admit(step, req, reserved=len(decoding)):
                 break
             self.waiting.remove(req)
             if req.awaiting:  # decode: its prompt's slots, for the prefill side to fill
@@ -269,43 +257,49 @@ class Scheduler:
                 if self.windows is not None:  # and the window its first queries read
                     req.window_lo = max(0, req.prefill_len - (self.windows.window - 1))
                     self.windows.acquire(req.slots[req.window_lo :])
-                self.reserved.append(req)
+                step.reserved.append(req)
                 continue
-            budget -= self._add_chunk(batch, req, budget, reserved=len(decoding))
+            budget -= self._add_chunk(step, req, budget, reserved=len(decoding))
         spare = self.available - len(decoding)
         for req in decoding:
-            req.drafts = self._propose(req, spare)
-            spare -= len(req.drafts)
-            slots = self._alloc(1 + len(req.drafts))
-            tokens = [req.output_ids[-1], *req.drafts]
-            prefix = list(req.slots) if req.prefix_pending else []  # KV the prefill instance wrote
-            window = []
-            if self.windows is not None:
-                held = self.window_slots(req) if req.prefix_pending else []
-                window = held + self.windows.acquire(slots)
-            req.prefix_pending = False
-            batch.reqs.append(
-                BatchReq(req.row, req.kv_len, tokens, slots, True, prefix, bool(req.drafts), window)
-            )
-            self._step_reqs.append(req)
-            req.slots += slots
-            req.spec_verify_ct += self.num_drafts > 0
-            self.counters["spec_verify_steps"] += self.num_drafts > 0
-        self._sends = [rid for rid in self.sending if rid in self.destinations]
-        batch.sends = [self._send(self.sending[rid][0]) for rid in self._sends]
-        if self._prefilled:
+            spare -= self._add_decode(step, req, spare)
+        batch = step.batch
+        step.sends = [rid for rid in self.sending if rid in self.destinations]
+        batch.sends = [self._send(self.sending[rid][0]) for rid in step.sends]
+        if step.prefilled:
             batch.mode = "extend"
         elif decoding:
             batch.mode = "verify" if any(r.verify for r in batch.reqs) else "decode"
-        if self.step_retractions:
+        if step.retractions:
             self.new_token_ratio = min(
                 1.0, max(INIT_NEW_TOKEN_RATIO, self.new_token_ratio + NEW_TOKEN_RATIO_STEP_UP)
             )
         elif batch.reqs:
             self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
-        return batch
+        return step
 
-    def _grammar_ready(self, req: Req) -> bool:
+    def _add_decode(self, step: ScheduledStep, req: Req, spare: int) -> int:
+        """Adds a decoding request's last token and its drafts (up to `spare` of them); returns the
+        drafts added."""
+        req.drafts = self._propose(req, spare)
+        slots = self._alloc(1 + len(req.drafts))
+        tokens = [req.output_ids[-1], *req.drafts]
+        prefix = list(req.slots) if req.prefix_pending else []  # KV the prefill instance wrote
+        window = []
+        if self.windows is not None:
+            held = self.window_slots(req) if req.prefix_pending else []
+            window = held + self.windows.acquire(slots)
+        req.prefix_pending = False
+        step.batch.reqs.append(
+            BatchReq(req.row, req.kv_len, tokens, slots, True, prefix, bool(req.drafts), window)
+        )
+        step.reqs.append(req)
+        req.slots += slots
+        req.spec_verify_ct += self.num_drafts > 0
+        self.counters["spec_verify_steps"] += self.num_drafts > 0
+        return len(req.drafts)
+
+    def _grammar_ready(self, step: ScheduledStep, req: Req) -> bool:
         """Whether `req` may be admitted: it has no grammar, or its grammar is compiled (its matcher
         is made then). A grammar that failed to compile ends the request."""
         if req.compiled is None or req.matcher is not None:
@@ -315,7 +309,7 @@ class Scheduler:
         error = req.compiled.exception()
         if error is not None:
             reason = Abort(f"the grammar did not compile: {error}", 400)
-            self.failed.append(self._finish(req, reason))
+            step.failed.append(self._finish(req, reason))
             return False
         # EOS ends a grammar even with ignore_eos: the model, not the first chance, decides the end.
         req.matcher = Matcher(req.compiled.result(), sorted(self.eos_ids | set(req.params.stop_token_ids)))
@@ -355,7 +349,7 @@ class Scheduler:
         decode = req.remaining_new_tokens
         return decode if req.protected else int(min(decode, ESTIMATE_CLIP) * self.new_token_ratio)
 
-    def _make_room(self, decoding: list[Req]) -> list[Req]:
+    def _make_room(self, step: ScheduledStep, decoding: list[Req]) -> list[Req]:
         """Retracts running requests until every request in `decoding` can get its slot this step;
         returns those still running."""
         while self.available < len(decoding):
@@ -364,10 +358,11 @@ class Scheduler:
                 raise RuntimeError(f"dp_rank {self.dp_rank}: {len(decoding)} decode slots cannot be found")
             victim = min(victims, key=lambda r: (len(r.output_ids), -len(r.input_ids)))
             self._retract(victim)
+            step.retractions += 1
             decoding = [r for r in decoding if r is not victim]
         return decoding
 
-    def _admit(self, req: Req, reserved: int) -> bool:
+    def _admit(self, step: ScheduledStep, req: Req, reserved: int) -> bool:
         """Admits `req` if its uncached prompt and estimated decode tokens fit beside the running
         requests' estimates and this step's `reserved` decode slots: locks its cached prefix
         (`req.slots`), takes a table row."""
@@ -402,12 +397,12 @@ class Scheduler:
             self.token_counts.acquire(req.rid, req.input_ids, req.output_ids)
         if req.cached_tokens is None:
             req.cached_tokens = min(len(cached), len(req.input_ids))
-            self.admitted.append((req.rid, req.cached_tokens))
+            step.admitted.append((req.rid, req.cached_tokens))
         self.counters["cache_hit_tokens"] += len(cached)
         self.running.append(req)
         return True
 
-    def _add_chunk(self, batch: GroupBatch, req: Req, budget: int, reserved: int) -> int:
+    def _add_chunk(self, step: ScheduledStep, req: Req, budget: int, reserved: int) -> int:
         """Adds up to `budget` of `req`'s prompt tokens, as many as memory allows beside the
         `reserved` decode slots of this step; returns the tokens added. The first chunk after its
         admission carries its cached prefix's slots into its table row, whichever step that is."""
@@ -424,9 +419,9 @@ class Scheduler:
         req.prefix_pending = False
         done = start + n == req.prefill_len
         tokens = req.fill_ids[start : start + n]
-        batch.reqs.append(BatchReq(req.row, start, tokens, slots, done, prefix, window=window))
-        self._step_reqs.append(req)
-        self._prefilled.append(req)
+        step.batch.reqs.append(BatchReq(req.row, start, tokens, slots, done, prefix, window=window))
+        step.reqs.append(req)
+        step.prefilled.append(req)
         req.slots += slots
         self.counters["prefilled_tokens"] += n
         return n
@@ -462,7 +457,6 @@ class Scheduler:
         req.retractions += 1
         self.waiting.appendleft(req)
         self.counters["retractions"] += 1
-        self.step_retractions += 1
         logger.info(
             "dp_rank %d: retracted request %s (%d prompt + %d generated tokens, retraction %d); "
             "%d slots available",
@@ -509,30 +503,27 @@ class Scheduler:
 
     # --- after the forward -----------------------------------------------------------------------
 
-    def sampled(self) -> list[Req]:
-        """The last step's requests that sample, in the order of its logits rows."""
-        return [r for r in self._step_reqs if r.prefill_done]
-
     def process_samples(
         self,
+        step: ScheduledStep,
         tokens: list[list[int]],
         logprobs: list[list[float]],
         top_logprobs: list[list[list[tuple[int, float]]]] | None = None,
         errors: list[str | None] | None = None,
     ) -> tuple[list[tuple[str, int, float, list[tuple[int, float]]]], list[dict]]:
-        """Appends each sampling request's new tokens (one, or a verify step's accepted drafts and the
+        """Appends each of `step`'s sampling requests' new tokens (one, or a verify step's accepted drafts and the
         next token), in order and none past a finish; frees the KV of rejected drafts; counts them for
         the penalties of requests still running; returns the tokens as (rid, token, logprob, top
         alternatives) and the outputs of the requests that finished. Freshly prefilled prompts go
         into the prefix cache. A request the sampler could not go on with (`errors`) ends there, as
         an abort its caller sees as a 400 naming the cause."""
         if self.tree is not None:
-            for req in self._prefilled:
+            for req in step.prefilled:
                 self._cache(req)
         new, finished, counted = [], [], []
         top_logprobs = top_logprobs or [[[] for _ in t] for t in tokens]
         errors = errors or [None] * len(tokens)
-        steps = zip(self.sampled(), tokens, logprobs, top_logprobs, errors, strict=True)
+        steps = zip(step.sampled, tokens, logprobs, top_logprobs, errors, strict=True)
         for req, toks, lps, tops, error in steps:
             reason, emitted = None, 0
             for tok, lp, top in zip(toks, lps, tops, strict=True):
@@ -559,12 +550,12 @@ class Scheduler:
                 counted += [(req.rid, tok) for tok in req.output_ids[-emitted:]]
         self.token_counts.add([rid for rid, _ in counted], [tok for _, tok in counted])
         if self.windows is not None:  # what the next queries of each request no longer read
-            for req in self._step_reqs:
+            for req in step.reqs:
                 if req.row > 0:
                     self._trim_window(req, req.kv_len - (self.windows.window - 1))
         self.counters["generated_tokens"] += len(new)
         if self.nextn:
-            self._make_draft_batch()
+            self._make_draft_batch(step)
         return new, finished
 
     def _free_rejected(self, req: Req, emitted: int) -> None:
@@ -606,21 +597,23 @@ class Scheduler:
             return True
         return req.matcher.accept(tok)
 
-    def _make_draft_batch(self) -> None:
-        """The MTP rows after this step: every position it kept, paired with the token after it."""
-        self.draft_batch, self._drafting, offset = DraftBatch(), [], 0
-        for req, step in zip(self._step_reqs, self._batch.reqs, strict=True):
-            kept = min(len(step.tokens), req.seq_len - 1 - step.start)
-            next_tokens = req.fill_ids[step.start + 1 : step.start + 1 + kept]
+    @staticmethod
+    def _make_draft_batch(step: ScheduledStep) -> None:
+        """The MTP rows after `step`: every position it kept, paired with the token after it."""
+        offset = 0
+        for req, part in zip(step.reqs, step.batch.reqs, strict=True):
+            kept = min(len(part.tokens), req.seq_len - 1 - part.start)
+            next_tokens = req.fill_ids[part.start + 1 : part.start + 1 + kept]
             draft = req.row > 0 and req.prefill_done  # running and decoding next
-            self.draft_batch.reqs.append(DraftReq(step.row, step.start, offset, next_tokens, draft))
+            step.draft_batch.reqs.append(DraftReq(part.row, part.start, offset, next_tokens, draft))
             if draft:
-                self._drafting.append(req)
-            offset += len(step.tokens)
+                step.drafting.append(req)
+            offset += len(part.tokens)
 
-    def set_drafts(self, drafts: list[list[int]]) -> None:
-        """NEXTN: the chains the MTP layer drafted for `draft_batch`'s drafting requests, in order."""
-        for req, chain in zip(self._drafting, drafts, strict=True):
+    @staticmethod
+    def set_drafts(step: ScheduledStep, drafts: list[list[int]]) -> None:
+        """NEXTN: the chains the MTP layer drafted for `step.draft_batch`'s drafting requests, in order."""
+        for req, chain in zip(step.drafting, drafts, strict=True):
             req.proposed = chain
 
     def stats(self) -> dict:

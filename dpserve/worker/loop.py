@@ -29,6 +29,7 @@ from dpserve.layers.mlp import expert_rows
 from dpserve.memory import RANK_FIGURES
 from dpserve.models.config import ModelConfig
 from dpserve.scheduler.request import GenerateRequest
+from dpserve.scheduler.scheduled import ScheduledStep
 from dpserve.scheduler.scheduler import Scheduler
 from dpserve.step.exchange import exchange, share
 from dpserve.step.padding import calibrate
@@ -199,7 +200,7 @@ class Worker:
         while True:
             start = time.perf_counter()
             self.heartbeat.step_start = time.monotonic()
-            batch = None
+            batch, step = None, None
             if self.scheduler is not None:  # 1. the leader schedules
                 self.report = StepReport(self.dp_rank)
                 wait_ms = 0
@@ -209,18 +210,19 @@ class Worker:
                 shutdown |= self._drain(wait_ms=wait_ms)
                 if self.link is not None:
                     self._hear_prefill()
-                batch = self.scheduler.schedule()
+                step = self.scheduler.schedule()
                 if self.link is not None:
-                    self._ask_prefill()
+                    self._ask_prefill(step)
+                batch = step.batch
                 batch.shutdown = shutdown
-                self.report.cached = self.scheduler.admitted
-                if self.scheduler.failed:
-                    self.report.add([], self.scheduler.failed)
+                self.report.cached = step.admitted
+                if step.failed:
+                    self.report.add([], step.failed)
             batch: GroupBatch = share(batch, self.groups)  # 2. the group shares it
             if batch.sends:  # prefill: finished prompts' KV to their decode groups
                 errors = self._write_kv(batch.sends)
                 if self.scheduler is not None:
-                    self.report.add([], self.scheduler.sent(errors))
+                    self.report.add([], self.scheduler.sent(step, errors))
             sizes = exchange(batch.sizes(self.runner.policy.can_pad(batch)), self.groups)  # 3. all agree
             if any(s.shutdown for s in sizes):
                 break
@@ -228,7 +230,7 @@ class Worker:
             if not idle:
                 layout = self.runner.policy.step_layout(sizes)
                 logits = self.runner.forward(batch, layout)  # 4. the forward
-                self._finish_step(batch, layout, logits, MODES[max(s.mode for s in sizes)], start)
+                self._finish_step(batch, step, layout, logits, MODES[max(s.mode for s in sizes)], start)
             if self.scheduler is not None and (self.report.changed or batch.reqs):
                 self.out.send_pyobj(self.report.message(self._stats()))
         self.heartbeat.step_start = None
@@ -261,9 +263,9 @@ class Worker:
                 s.free_limbo(rid)
                 self.report.changed = True  # the group's KV figures changed
 
-    def _ask_prefill(self) -> None:
-        """Decode leader: where the requests admitted this step want their KV."""
-        for req in self.scheduler.reserved:
+    def _ask_prefill(self, step: ScheduledStep) -> None:
+        """Decode leader: where the requests admitted in `step` want their KV."""
+        for req in step.reserved:
             dest = {
                 "slots": req.slots,
                 "ranks": self.group_pools,
@@ -319,18 +321,24 @@ class Worker:
         return errors
 
     def _finish_step(
-        self, batch: GroupBatch, layout: StepLayout, logits: torch.Tensor, kind: str, start: float
+        self,
+        batch: GroupBatch,
+        step: ScheduledStep | None,  # the leader's; None on the other ranks
+        layout: StepLayout,
+        logits: torch.Tensor,
+        kind: str,
+        start: float,
     ) -> None:
         """5. The leader samples; NEXTN drafts on every rank; the leader logs the step."""
         s = self.scheduler
         if s is not None and batch.reqs:
-            self.report.add(*s.process_samples(*self._sample(batch, logits)))
+            self.report.add(*s.process_samples(step, *self._sample(step, logits)))
         if self.drafter is not None:
-            draft_batch = share(s.draft_batch if s else None, self.groups)
+            draft_batch = share(step.draft_batch if s else None, self.groups)
             sizes = exchange(draft_batch.sizes(self.drafter.num_steps, self.drafter.context_len), self.groups)
             drafts = self.drafter.run(draft_batch, sizes, self.runner.hidden)
             if s is not None:
-                s.set_drafts(drafts)
+                s.set_drafts(step, drafts)
         load = self.runner.take_expert_load()  # on the device; every rank: a collective under all_to_all
         # Rows per logical expert, read before a rebalance changes the slots.
         rows = None if load is None else expert_rows(self.runner.model.moe_layers, load)
@@ -352,7 +360,7 @@ class Worker:
             forward_seconds=self.runner.forward_seconds,
             real_rows=layout.total_tokens,
             padded=layout.padded,
-            retractions=s.step_retractions,
+            retractions=step.retractions,
             slots_written=self.runner.slots_written,
             draft_seconds=self.drafter.seconds if self.drafter else 0.0,
             comm_bytes=self.runner.comm_bytes,
@@ -366,12 +374,12 @@ class Worker:
             self.expert_load += rows  # the leader's, for get_expert_load
             self._pending = (record, *self._imbalance(load))
 
-    def _sample(self, batch: GroupBatch, logits: torch.Tensor) -> tuple:
+    def _sample(self, step: ScheduledStep, logits: torch.Tensor) -> tuple:
         """The leader's samples of the step's logits rows (none when no request samples)."""
-        if not batch.num_logit_rows:
+        if not step.batch.num_logit_rows:
             return [], [], [], []
         s = self.scheduler
-        i = sampling_inputs(s.sampled(), s.token_counts, s.vocab_size, s.eos_ids)
+        i = sampling_inputs(step.sampled, s.token_counts, s.vocab_size, s.eos_ids)
         return sample(logits, i.params, i.keys, i.drafts, i.penalties, i.grammar)
 
     def _report_rebalance(self, rebalance: Rebalance) -> None:
