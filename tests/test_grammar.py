@@ -183,7 +183,7 @@ def test_a_token_the_grammar_refuses_ends_its_request_before_it_with_a_grammar_e
         finished = s.process_samples(s.schedule(), [[tok]], [[0.0]])[1]
     assert finished[0]["output_ids"] == [digit] * 4 + [tokenizer.eos_token_id]
     assert finished[0]["finish_reason"] == {"type": "stop", "matched": tokenizer.eos_token_id}
-    assert not s.running and s.allocator.num_free + s.tree.size == 64
+    assert not s.running and s.kv.allocator.num_free + s.kv.tree.size == 64
     grammars.close()
 
 

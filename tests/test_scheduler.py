@@ -84,13 +84,13 @@ def expected_output(msg: GenerateRequest, rule=next_token) -> list[int]:
 def assert_slots_consistent(s: Scheduler) -> None:
     """Every slot is free, in the tree, or held by exactly one running request."""
     held = [slot for r in s.running for slot in r.slots[r.cached_len :] + r.dup_slots]
-    tree, stack = [], list(s.tree.root.children.values()) if s.tree else []
+    tree, stack = [], list(s.kv.tree.root.children.values()) if isinstance(s.kv.tree, RadixTree) else []
     while stack:
         node = stack.pop()
         tree += node.value
         stack += node.children.values()
-    free = s.allocator.alloc(s.allocator.num_free)
-    s.allocator.free(free)  # put back: the test goes on
+    free = s.kv.allocator.alloc(s.kv.allocator.num_free)
+    s.kv.allocator.free(free)  # put back: the test goes on
     everything = held + tree + free
     assert sorted(everything) == list(range(1, s.kv_capacity + 1))
 
@@ -110,7 +110,7 @@ def test_chunked_prefill_then_decode():
         assert plan.mode == "decode" and len(plan.reqs) == 1 and plan.reqs[0].sample
     assert [f["finish_reason"] for f in finished] == [{"type": "length", "length": 10}]
     # Nothing is held once it finished; its tokens stay cached.
-    assert s.stats()["kv_used"] == 0 and s.tree.size == 29 == s.tree.evictable
+    assert s.stats()["kv_used"] == 0 and s.kv.tree.size == 29 == s.kv.tree.evictable
 
 
 def test_admission_by_estimate_runs_requests_side_by_side():
@@ -176,7 +176,7 @@ def test_retraction_order_and_protection():
     s.add(request("long", 8, new=30, first=40))
     step(s)
     assert len(s.running) == 2
-    s.allocator.alloc(s.allocator.num_free)  # the pool is suddenly full: the next step must retract
+    s.kv.allocator.alloc(s.kv.allocator.num_free)  # the pool is suddenly full: the next step must retract
     step(s)
     # Both generated one token: the longer prompt goes first, back to the front of the queue.
     assert [r.rid for r in s.waiting] == ["long"] and [r.rid for r in s.running] == ["short"]
@@ -190,7 +190,7 @@ def test_retraction_order_and_protection():
     step(s)
     veteran, young = s.running
     assert veteran.protected and not young.protected
-    s.allocator.alloc(s.allocator.num_free)
+    s.kv.allocator.alloc(s.kv.allocator.num_free)
     step(s)
     assert s.running == [veteran] and s.waiting[0] is young
 
@@ -239,7 +239,7 @@ def test_abort_releases_locks_and_rejects_what_never_fits():
     assert s.abort("a")["finish_reason"] == {"type": "abort", "message": "aborted"}
     assert s.abort("w")["finish_reason"]["type"] == "abort"
     assert not s.running and not s.waiting and s.stats()["kv_used"] == 0
-    assert s.tree.evictable == s.tree.size and s.abort("unknown") is None
+    assert s.kv.tree.evictable == s.kv.tree.size and s.abort("unknown") is None
 
 
 def test_stop_on_eos():
@@ -318,11 +318,11 @@ def test_penalty_counts_follow_outputs_through_retraction():
 def test_flush_cache_drops_what_no_running_request_holds():
     s = make(capacity=100)
     run(s, [request("a", 20)])
-    assert s.tree.size == 29
+    assert s.kv.tree.size == 29
     s.add(request("b", 12, first=50))
     step(s), step(s)  # b is running: its cached prefix is locked
     s.flush_cache()
-    assert s.tree.size == s.running[0].kv_len and s.tree.evictable == 0
+    assert s.kv.tree.size == s.running[0].kv_len and s.kv.tree.evictable == 0
     assert s.counters["cache_evicted_tokens"] == 29
 
 

@@ -154,3 +154,26 @@ class RadixTree:
         child.parent = mid
         self._num_nodes += 1
         return mid
+
+
+class NullTree:
+    """The prefix cache of a group run with --disable-radix-cache: it matches and keeps nothing, so
+    whoever inserts tokens still owns every slot of them."""
+
+    size = 0
+    evictable = 0
+
+    def match_prefix(self, tokens: list[int]) -> tuple[list[int], None, int]:
+        return [], None, 0
+
+    def insert(self, tokens: list[int], values: list[int] | None = None) -> int:
+        return len(tokens)  # as if all were held already: the caller keeps their slots
+
+    def lock(self, node: None) -> None:
+        pass
+
+    def unlock(self, node: None) -> None:
+        pass
+
+    def evict(self, num_tokens: int) -> list[int]:
+        return []

@@ -33,6 +33,10 @@ class WindowSlots:
         self.evicted = 0  # window slots the cache gave up for new tokens
 
     @property
+    def num_free(self) -> int:
+        return self.allocator.num_free
+
+    @property
     def cached(self) -> int:
         """Tokens whose window KV the prefix cache holds."""
         return len(self._cached)
@@ -91,6 +95,11 @@ class WindowSlots:
             n -= self.allocator.num_free - before
             self.evicted += 1
 
+    def held_from(self, num_tokens: int) -> int:
+        """The first of the positions a request of `num_tokens` tokens holds window slots of: its
+        last W - 1, which its next query reads."""
+        return max(0, num_tokens - (self.window - 1))
+
     def usable(self, full: list[int]) -> int:
         """The longest prefix of a cached sequence (its full slots `full`) a request can start on:
         one whose last W - 1 tokens all still have window slots."""
@@ -103,3 +112,28 @@ class WindowSlots:
                 return m
             m = gap
         return 0
+
+
+class NullWindows:
+    """The window slots of a pool without sliding-window layers (or with --disable-hybrid-swa-memory):
+    none are held, every cached prefix is usable whole."""
+
+    window = 0
+    num_free = cached = evicted = 0
+
+    def acquire(self, full: list[int]) -> list[int]:
+        return []
+
+    def slots_of(self, full: list[int]) -> list[int]:
+        return []
+
+    def release(self, full: list[int]) -> None:
+        pass
+
+    keep = drop = release
+
+    def held_from(self, num_tokens: int) -> int:
+        return num_tokens  # nothing is held
+
+    def usable(self, full: list[int]) -> int:
+        return len(full)

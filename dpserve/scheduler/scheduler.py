@@ -30,10 +30,8 @@ import torch
 
 from dpserve.grammar import COUNTERS as GRAMMAR_COUNTERS
 from dpserve.grammar import GrammarCache, Matcher, grammar_key
-from dpserve.kvcache.allocator import SlotAllocator
-from dpserve.kvcache.radix_cache import RadixTree
-from dpserve.kvcache.window import WindowSlots
 from dpserve.messages import Abort, FinishReason, Length, Stop
+from dpserve.scheduler.cache_manager import CacheManager
 from dpserve.scheduler.request import GenerateRequest, Req, check_request, max_kv_len
 from dpserve.scheduler.scheduled import ScheduledStep
 from dpserve.scheduler.token_counts import TokenCounts
@@ -109,10 +107,7 @@ class Scheduler:
         self.max_running, self.chunk_size = max_running, chunk_size
         self.context_len, self.vocab_size = context_len, vocab_size
         self.eos_ids = set(eos_ids)
-        self.allocator = SlotAllocator(kv_capacity)
         self.grammars = grammars
-        self.tree = RadixTree() if radix_cache else None
-        self.windows = WindowSlots(window_capacity, window) if window else None
         self.disaggregation = disaggregation
         # Prefill: requests whose first token is out, holding their KV until it is written to the
         # decode side (with the finish reason they then report), and where each one's KV goes.
@@ -127,6 +122,7 @@ class Scheduler:
         self.running: list[Req] = []
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.counters = dict.fromkeys(COUNTERS, 0)
+        self.kv = CacheManager(kv_capacity, radix_cache, window, window_capacity, self.counters)
 
     # --- requests in and out ---------------------------------------------------------------------
 
@@ -191,8 +187,7 @@ class Scheduler:
         req.awaiting = False
         req.proposed = list(drafts) if self.nextn else []
         req.prefix_pending = True  # its next step writes the prompt's slots into its table row
-        if self.tree is not None:
-            self._cache(req)
+        self.kv.cache(req)
         top = [tuple(t) for t in top]
         if not self._grammar_accepts(req, token):
             return [], [self._finish(req, grammar_refused(token, 0))]
@@ -221,7 +216,7 @@ class Scheduler:
         """The window slots `req` holds (of its positions from `window_lo`); none without the hybrid
         pool. Under disaggregation: the prompt's last W - 1 positions, what the first decode step's
         window queries read, sent by one side and received by the other."""
-        return self.windows.slots_of(req.slots[req.window_lo :]) if self.windows else []
+        return self.kv.window_slots(req)
 
     def _send(self, req: Req) -> KVSend:
         """Prefill: the send order of a held request: its prompt's slots and its window slots."""
@@ -229,10 +224,7 @@ class Scheduler:
 
     def free_limbo(self, rid: str) -> None:
         """Decode: the prefill side will not write into the ended request `rid`'s slots any more."""
-        slots, window = self.limbo.pop(rid)
-        if window:
-            self.windows.release(window)
-        self.allocator.free(slots)
+        self.kv.free(*self.limbo.pop(rid))
 
     # --- scheduling ------------------------------------------------------------------------------
 
@@ -253,14 +245,11 @@ class Scheduler:
                 break
             self.waiting.remove(req)
             if req.awaiting:  # decode: its prompt's slots, for the prefill side to fill
-                req.slots = self._alloc(req.prefill_len)
-                if self.windows is not None:  # and the window its first queries read
-                    req.window_lo = max(0, req.prefill_len - (self.windows.window - 1))
-                    self.windows.acquire(req.slots[req.window_lo :])
+                self.kv.reserve(req)
                 step.reserved.append(req)
                 continue
             budget -= self._add_chunk(step, req, budget, reserved=len(decoding))
-        spare = self.available - len(decoding)
+        spare = self.kv.available - len(decoding)
         for req in decoding:
             spare -= self._add_decode(step, req, spare)
         batch = step.batch
@@ -282,19 +271,12 @@ class Scheduler:
         """Adds a decoding request's last token and its drafts (up to `spare` of them); returns the
         drafts added."""
         req.drafts = self._propose(req, spare)
-        slots = self._alloc(1 + len(req.drafts))
-        tokens = [req.output_ids[-1], *req.drafts]
-        prefix = list(req.slots) if req.prefix_pending else []  # KV the prefill instance wrote
-        window = []
-        if self.windows is not None:
-            held = self.window_slots(req) if req.prefix_pending else []
-            window = held + self.windows.acquire(slots)
-        req.prefix_pending = False
+        start, tokens = req.kv_len, [req.output_ids[-1], *req.drafts]
+        prefix, slots, window = self.kv.extend(req, len(tokens))
         step.batch.reqs.append(
-            BatchReq(req.row, req.kv_len, tokens, slots, True, prefix, bool(req.drafts), window)
+            BatchReq(req.row, start, tokens, slots, True, prefix, bool(req.drafts), window)
         )
         step.reqs.append(req)
-        req.slots += slots
         req.spec_verify_ct += self.num_drafts > 0
         self.counters["spec_verify_steps"] += self.num_drafts > 0
         return len(req.drafts)
@@ -332,13 +314,7 @@ class Scheduler:
 
     def flush_cache(self) -> None:
         """Evicts every prefix-cache entry no running request holds."""
-        if self.tree is not None:
-            self._free(self.tree.evict(self.tree.evictable))
-
-    @property
-    def available(self) -> int:
-        """Slots a request can get now: free, or held by unlocked cache entries."""
-        return self.allocator.num_free + (self.tree.evictable if self.tree else 0)
+        self.kv.flush()
 
     def _estimate(self, req: Req) -> int:
         """Slots a running request is expected to take from now on: the rest of its prefill and a
@@ -352,7 +328,7 @@ class Scheduler:
     def _make_room(self, step: ScheduledStep, decoding: list[Req]) -> list[Req]:
         """Retracts running requests until every request in `decoding` can get its slot this step;
         returns those still running."""
-        while self.available < len(decoding):
+        while self.kv.available < len(decoding):
             victims = [r for r in self.running if not r.protected and not r.awaiting]
             if not victims:  # protected requests' whole needs fit the pool together (see _admit)
                 raise RuntimeError(f"dp_rank {self.dp_rank}: {len(decoding)} decode slots cannot be found")
@@ -372,27 +348,13 @@ class Scheduler:
                 return False  # wait for them to finish, admitting nobody else
             req.protected = True
         req.prefill_len = len(req.input_ids) + len(req.output_ids)
-        node, cached = None, []
-        if self.tree is not None and not req.awaiting:
-            # At least one token is left to prefill: its logits give the next token.
-            cached, node, _ = self.tree.match_prefix(req.fill_ids[: req.prefill_len - 1])
-            if self.nextn:
-                cached = cached[:-1]  # recomputed for its hidden state (the MTP layer's input)
-            usable = len(cached) if self.windows is None else self.windows.usable(cached)
-            if usable < len(cached):  # only as far as the window layers' KV of its last tokens is cached
-                cached, node, _ = self.tree.match_prefix(req.fill_ids[:usable])
-            self.tree.lock(node)
+        cached, node = ([], None) if req.awaiting else self.kv.match(req, recompute_last=self.nextn)
         others = sum(self._estimate(r) for r in self.running) + reserved
-        if self.available - others < req.prefill_len - len(cached) + self._estimate_decode(req):
-            if node is not None:
-                self.tree.unlock(node)
+        if self.kv.available - others < req.prefill_len - len(cached) + self._estimate_decode(req):
+            self.kv.unlock(node)
             return False
         req.row = self.free_rows.pop()
-        req.node, req.slots, req.cached_len = node, list(cached), len(cached)
-        req.prefix_pending = bool(cached)
-        if self.windows is not None:  # the cached window its first chunk's queries read
-            req.window_lo = max(0, len(cached) - (self.windows.window - 1))
-            self.windows.acquire(req.slots[req.window_lo :])
+        self.kv.start(req, cached, node)
         if req.params.penalized:
             self.token_counts.acquire(req.rid, req.input_ids, req.output_ids)
         if req.cached_tokens is None:
@@ -406,50 +368,18 @@ class Scheduler:
         """Adds up to `budget` of `req`'s prompt tokens, as many as memory allows beside the
         `reserved` decode slots of this step; returns the tokens added. The first chunk after its
         admission carries its cached prefix's slots into its table row, whichever step that is."""
-        n = min(budget, req.prefill_len - req.kv_len, self.available - reserved)
+        n = min(budget, req.prefill_len - req.kv_len, self.kv.available - reserved)
         if n <= 0:
             return 0
         start = req.kv_len
-        prefix = req.slots[: req.cached_len] if req.prefix_pending else []
-        slots = self._alloc(n)
-        window = []
-        if self.windows is not None:
-            held = req.slots[req.window_lo : req.cached_len] if req.prefix_pending else []
-            window = self.windows.slots_of(held) + self.windows.acquire(slots)
-        req.prefix_pending = False
+        prefix, slots, window = self.kv.extend(req, n)
         done = start + n == req.prefill_len
         tokens = req.fill_ids[start : start + n]
         step.batch.reqs.append(BatchReq(req.row, start, tokens, slots, done, prefix, window=window))
         step.reqs.append(req)
         step.prefilled.append(req)
-        req.slots += slots
         self.counters["prefilled_tokens"] += n
         return n
-
-    def _alloc(self, n: int) -> list[int]:
-        short = n - self.allocator.num_free
-        if short > 0 and self.tree is not None:
-            self._free(self.tree.evict(short))
-        return self.allocator.alloc(n)
-
-    def _free(self, evicted: list[int]) -> None:
-        """Frees slots the prefix cache evicted (and their window slots)."""
-        if self.windows is not None:
-            self.windows.drop(evicted)
-        self.allocator.free(evicted)
-        self.counters["cache_evicted_tokens"] += len(evicted)
-
-    def _trim_window(self, req: Req, upto: int) -> None:
-        """Gives up the window slots of `req`'s positions before `upto`: to the prefix cache, which
-        holds them until their room is needed, or freed without one."""
-        if self.windows is None or upto <= req.window_lo:
-            return
-        part = req.slots[req.window_lo : upto]
-        if self.tree is not None:
-            self.windows.keep(part)
-        else:
-            self.windows.release(part)
-        req.window_lo = upto
 
     def _retract(self, req: Req) -> None:
         self._release(req)
@@ -465,41 +395,22 @@ class Scheduler:
             len(req.input_ids),
             len(req.output_ids),
             req.retractions,
-            self.available,
+            self.kv.available,
         )
 
     def _release(self, req: Req) -> None:
         """Gives back what an admitted request holds; its KV stays in the prefix cache. A decode
         request still awaiting its KV leaves its slots in limbo: the prefill side may be writing."""
         if req.awaiting:
-            self.limbo[req.rid] = (req.slots, req.slots[req.window_lo :] if self.windows else [])
+            self.limbo[req.rid] = (req.slots, req.slots[req.window_lo :])
         else:
-            self._trim_window(req, req.kv_len)
-            if self.tree is not None:
-                self._cache(req)
-                self.tree.unlock(req.node)
-                if self.windows is not None:
-                    self.windows.drop(req.dup_slots)
-                self.allocator.free(req.dup_slots)
-            else:
-                self.allocator.free(req.slots)
+            self.kv.release(req)
         self.free_rows.append(req.row)
         self.token_counts.release(req.rid)
         req.row, req.slots, req.node, req.cached_len, req.dup_slots = 0, [], None, 0, []
         req.window_lo = 0
         req.prefix_pending = False
         req.proposed = []
-
-    def _cache(self, req: Req) -> None:
-        """Puts the request's KV into the prefix cache and locks it there instead of its old node."""
-        tokens = req.fill_ids[: req.kv_len]
-        held = self.tree.insert(tokens, req.slots)
-        # Tokens another request inserted meanwhile: the tree keeps its slots, ours are copies.
-        req.dup_slots += req.slots[req.cached_len : held]
-        _, node, _ = self.tree.match_prefix(tokens)
-        self.tree.lock(node)
-        self.tree.unlock(req.node)
-        req.node, req.cached_len = node, len(tokens)
 
     # --- after the forward -----------------------------------------------------------------------
 
@@ -517,9 +428,8 @@ class Scheduler:
         alternatives) and the outputs of the requests that finished. Freshly prefilled prompts go
         into the prefix cache. A request the sampler could not go on with (`errors`) ends there, as
         an abort its caller sees as a 400 naming the cause."""
-        if self.tree is not None:
-            for req in step.prefilled:
-                self._cache(req)
+        for req in step.prefilled:
+            self.kv.cache(req)
         new, finished, counted = [], [], []
         top_logprobs = top_logprobs or [[[] for _ in t] for t in tokens]
         errors = errors or [None] * len(tokens)
@@ -549,10 +459,7 @@ class Scheduler:
             elif req.rid in self.token_counts.rows:
                 counted += [(req.rid, tok) for tok in req.output_ids[-emitted:]]
         self.token_counts.add([rid for rid, _ in counted], [tok for _, tok in counted])
-        if self.windows is not None:  # what the next queries of each request no longer read
-            for req in step.reqs:
-                if req.row > 0:
-                    self._trim_window(req, req.kv_len - (self.windows.window - 1))
+        self.kv.trim_windows(step.reqs)
         self.counters["generated_tokens"] += len(new)
         if self.nextn:
             self._make_draft_batch(step)
@@ -562,12 +469,9 @@ class Scheduler:
         """Frees the KV of the drafts a verify step rejected: that of every token but the last is kept.
         A request that emitted nothing (a sampling error) keeps its last token's KV too: the prefix
         cache may hold it already."""
-        rejected = req.kv_len - (req.seq_len - 1 if emitted else min(req.kv_len, req.seq_len))
-        if rejected > 0:
-            if self.windows is not None:
-                self.windows.release(req.slots[-rejected:])
-            self.allocator.free(req.slots[-rejected:])
-            del req.slots[-rejected:]
+        keep = req.seq_len - 1 if emitted else min(req.kv_len, req.seq_len)
+        if keep < req.kv_len:
+            self.kv.free_rejected(req, keep)
         req.drafts = []
 
     def _take_token(self, req: Req, tok: int, lp: float, top: list) -> FinishReason | None:
@@ -618,19 +522,12 @@ class Scheduler:
 
     def stats(self) -> dict:
         """Load and cache figures of this DP group, for routing and /metrics."""
-        cached = self.tree.size if self.tree else 0
         c = self.counters
         return {
             "running": len(self.running) + len(self.sending),
             "queued": len(self.waiting),
-            "kv_used": self.kv_capacity - self.available,
-            "kv_free": self.allocator.num_free,
             "kv_reserved": sum(self._estimate(r) for r in self.running),
-            "kv_cached": cached,
-            "kv_evictable": self.tree.evictable if self.tree else 0,
-            "kv_window_free": self.windows.allocator.num_free if self.windows else 0,
-            "kv_window_cached": self.windows.cached if self.windows else 0,
-            "window_evicted_tokens": self.windows.evicted if self.windows else 0,
+            **self.kv.stats(),
             "new_token_ratio": self.new_token_ratio,
             "spec_accept_length": 1 + c["spec_accepted_tokens"] / max(c["spec_verify_steps"], 1),
             **c,
