@@ -147,6 +147,7 @@ def test_the_bootstrap_endpoint_survives_malformed_messages(tmp_path):
 
     from dpserve.disagg.bootstrap import PrefillBootstrap
     from dpserve.engine.worker_pool import free_port
+    from dpserve.messages import Destination, KVDestination
 
     ctx = zmq.Context()
     collector = ctx.socket(zmq.PULL)
@@ -159,14 +160,11 @@ def test_the_bootstrap_endpoint_survives_malformed_messages(tmp_path):
         for bad in (b"not json", b'{"room": "x"}', b'{"room": 1}', b'{"room": 1, "dest": 5}'):
             peer.send(bad)
         endpoint.add(2, "rid-2")
-        peer.send_json({"room": 2, "dest": {"slots": [1]}})
+        peer.send_json({"room": 1, "dest": {"slots": [1]}})  # a destination without its other fields
+        dest = Destination([1], [{"session": "s", "buffers": []}], 1, False, 0, [])
+        peer.send_json({"room": 2, "dest": dest.wire()})
         assert collector.poll(10_000)
-        assert collector.recv_pyobj() == {
-            "type": "kv_dest",
-            "rid": "rid-2",
-            "room": 2,
-            "dest": {"slots": [1]},
-        }
+        assert collector.recv_pyobj() == KVDestination("rid-2", 2, dest)
         assert endpoint.alive
     finally:
         endpoint.close()

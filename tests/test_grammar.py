@@ -169,10 +169,10 @@ def test_a_token_the_grammar_refuses_ends_its_request_before_it_with_a_grammar_e
         [],
     )
     new, (bad,) = s.process_samples(s.schedule(), [[letter], [digit]], [[0.0], [0.0]])
-    assert new == [("good", digit, 0.0, [])] and bad["rid"] == "bad" and bad["output_ids"] == [digit]
+    assert new == [("good", digit, 0.0, [])] and bad.rid == "bad" and bad.output_ids == [digit]
     message = f"the grammar refused token {letter} at output position 1; the output ends before it"
-    assert bad["finish_reason"] == {"type": "abort", "message": message, "status_code": 422}
-    error = aborted_error(bad["finish_reason"])
+    assert bad.finish_reason.wire() == {"type": "abort", "message": message, "status_code": 422}
+    error = aborted_error(bad.finish_reason.wire())
     assert error_body(error.status, str(error))["error"] == {
         "message": f"the request was aborted: {message}",
         "type": "grammar_error",
@@ -181,8 +181,8 @@ def test_a_token_the_grammar_refuses_ends_its_request_before_it_with_a_grammar_e
     assert_slots_consistent(s)
     for tok in (digit, digit, tokenizer.eos_token_id):  # the grammar's end, then its stop token
         finished = s.process_samples(s.schedule(), [[tok]], [[0.0]])[1]
-    assert finished[0]["output_ids"] == [digit] * 4 + [tokenizer.eos_token_id]
-    assert finished[0]["finish_reason"] == {"type": "stop", "matched": tokenizer.eos_token_id}
+    assert finished[0].output_ids == [digit] * 4 + [tokenizer.eos_token_id]
+    assert finished[0].finish_reason.wire() == {"type": "stop", "matched": tokenizer.eos_token_id}
     assert not s.running and s.kv.allocator.num_free + s.kv.tree.size == 64
     grammars.close()
 

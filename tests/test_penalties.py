@@ -173,7 +173,7 @@ def run_leader(params: list[SamplingParams], num_drafts: int, capacity: int) -> 
             if rows
             else ([], [], [], [])
         )
-        outputs.update((o["rid"], o["output_ids"]) for o in s.process_samples(scheduled, *samples)[1])
+        outputs.update((o.rid, o.output_ids) for o in s.process_samples(scheduled, *samples)[1])
     assert s.token_counts.rows == {}
     return [outputs[str(i)] for i in range(len(params))], s.counters
 

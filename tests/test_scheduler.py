@@ -67,7 +67,7 @@ def run(
     outputs = {}
     for _ in range(max_steps):
         _, finished = step(s, rule)
-        outputs.update((o["rid"], o) for o in finished)
+        outputs.update((o.rid, o) for o in finished)
         if not s.running and not s.waiting:
             return outputs
         assert_slots_consistent(s)
@@ -108,7 +108,7 @@ def test_chunked_prefill_then_decode():
         scheduled, finished = step(s)
         plan = scheduled.batch
         assert plan.mode == "decode" and len(plan.reqs) == 1 and plan.reqs[0].sample
-    assert [f["finish_reason"] for f in finished] == [{"type": "length", "length": 10}]
+    assert [f.finish_reason.wire() for f in finished] == [{"type": "length", "length": 10}]
     # Nothing is held once it finished; its tokens stay cached.
     assert s.stats()["kv_used"] == 0 and s.kv.tree.size == 29 == s.kv.tree.evictable
 
@@ -166,7 +166,7 @@ def test_oversubscribed_pool_retracts_and_every_output_is_unchanged():
     outputs = run(s, msgs)
     assert s.counters["retractions"] > 0
     for m in msgs:
-        assert outputs[m.rid]["output_ids"] == expected_output(m), m.rid
+        assert outputs[m.rid].output_ids == expected_output(m), m.rid
     assert s.stats()["kv_used"] == 0 and s.new_token_ratio >= 0.1
 
 
@@ -199,7 +199,7 @@ def test_prefix_cache_hit_prefills_only_the_suffix():
     s = make(capacity=100, chunk=64)
     shared = request("a", 30, new=4)
     first = run(s, [shared])["a"]
-    assert first["cached_tokens"] == 0
+    assert first.cached_tokens == 0
     again = GenerateRequest("b", shared.input_ids, shared.params)
     s.add(again)
     scheduled, _ = step(s)
@@ -207,9 +207,9 @@ def test_prefix_cache_hit_prefills_only_the_suffix():
     # The whole prompt was cached but one token: its logits give the first new token.
     assert plan.reqs[0].start == 29 and plan.reqs[0].prefix and plan.reqs[0].tokens == shared.input_ids[-1:]
     out = run(s, [])["b"]
-    assert out["cached_tokens"] == 29 and out["output_ids"] == first["output_ids"]
+    assert out.cached_tokens == 29 and out.output_ids == first.output_ids
     extended = GenerateRequest("c", shared.input_ids[:20] + [250, 251], shared.params)
-    assert run(s, [extended])["c"]["cached_tokens"] == 20
+    assert run(s, [extended])["c"].cached_tokens == 20
 
 
 def test_eviction_under_pressure_keeps_cached_prefixes_right():
@@ -222,22 +222,22 @@ def test_eviction_under_pressure_keeps_cached_prefixes_right():
     outputs = run(s, msgs)
     assert s.counters["cache_evicted_tokens"] > 0 and s.counters["cache_hit_tokens"] > 0
     for m in msgs:
-        assert outputs[m.rid]["output_ids"] == expected_output(m)
+        assert outputs[m.rid].output_ids == expected_output(m)
     assert_slots_consistent(s)
 
 
 def test_abort_releases_locks_and_rejects_what_never_fits():
     s = make()
     err = s.add(request("big", 45, new=10))
-    assert err["finish_reason"]["type"] == "abort"
-    assert "needs 55 KV tokens" in err["finish_reason"]["message"]
+    assert err.finish_reason.wire()["type"] == "abort"
+    assert "needs 55 KV tokens" in err.finish_reason.wire()["message"]
     bad = s.add(GenerateRequest("bad", [5, 400], SamplingParams()))
-    assert bad["finish_reason"]["message"] == "token id 400 is outside the vocabulary [0, 300)"
+    assert bad.finish_reason.wire()["message"] == "token id 400 is outside the vocabulary [0, 300)"
     s.add(request("a", 5))
     s.add(request("w", 45, new=5))
     step(s)
-    assert s.abort("a")["finish_reason"] == {"type": "abort", "message": "aborted"}
-    assert s.abort("w")["finish_reason"]["type"] == "abort"
+    assert s.abort("a").finish_reason.wire() == {"type": "abort", "message": "aborted"}
+    assert s.abort("w").finish_reason.wire()["type"] == "abort"
     assert not s.running and not s.waiting and s.stats()["kv_used"] == 0
     assert s.kv.tree.evictable == s.kv.tree.size and s.abort("unknown") is None
 
@@ -247,7 +247,9 @@ def test_stop_on_eos():
     s.add(GenerateRequest("a", [5, 6], SamplingParams(max_new_tokens=10, temperature=0)))
     scheduled = s.schedule()
     _, finished = s.process_samples(scheduled, [[1]], [[0.0]])
-    assert finished[0]["finish_reason"] == {"type": "stop", "matched": 1} and scheduled.batch.reqs[0].sample
+    assert (
+        finished[0].finish_reason.wire() == {"type": "stop", "matched": 1} and scheduled.batch.reqs[0].sample
+    )
 
 
 def test_radix_tree_split_lock_evict():
@@ -279,11 +281,11 @@ def test_many_random_requests_finish_exactly(radix, drafts, rule):
         msgs.append(GenerateRequest(f"r{i}", prompt, params))
     outputs = run(s, msgs, rule=rule)
     for m in msgs:
-        assert outputs[m.rid]["output_ids"] == expected_output(m, rule), m.rid
+        assert outputs[m.rid].output_ids == expected_output(m, rule), m.rid
     stats = s.stats()
     assert stats["kv_used"] == 0
     if drafts:  # a token comes from a (re)started prefill, or a verify step: accepted drafts + the next
-        steps = sum(o["spec_verify_ct"] for o in outputs.values())
+        steps = sum(o.spec_verify_ct for o in outputs.values())
         prefills = len(msgs) + stats["retractions"]
         assert stats["spec_verify_steps"] == steps
         assert stats["generated_tokens"] == prefills + steps + stats["spec_accepted_tokens"]
@@ -304,7 +306,7 @@ def test_penalty_counts_follow_outputs_through_retraction():
     finished = {}
     while s.running or s.waiting:
         _, done = step(s, periodic_token)
-        finished.update((o["rid"], o) for o in done)
+        finished.update((o.rid, o) for o in done)
         for r in s.running:
             row = s.token_counts.rows.get(r.rid)
             assert (row is not None) == (r.params.repetition_penalty != 1), r.rid
@@ -343,8 +345,8 @@ def test_a_cached_prefix_reaches_the_table_even_when_its_admitting_step_adds_not
     req = s.waiting.popleft()
     assert req.cached_len == 20 and s._add_chunk(admitting, req, budget=0, reserved=0) == 0
     outputs = run(s, [])
-    assert outputs["b"]["output_ids"] == expected_output(follow)
-    assert outputs["c"]["output_ids"] == expected_output(other)
-    assert outputs["b"]["cached_tokens"] == 20
+    assert outputs["b"].output_ids == expected_output(follow)
+    assert outputs["c"].output_ids == expected_output(other)
+    assert outputs["b"].cached_tokens == 20
     assert s.stats()["kv_used"] == 0 and not s.running
     assert_slots_consistent(s)

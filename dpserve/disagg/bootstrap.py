@@ -24,6 +24,14 @@ from dataclasses import dataclass
 
 import zmq
 
+from dpserve.messages import (
+    Destination,
+    KVDestination,
+    PrefillAnswer,
+    PrefillFailed,
+    RoomCancel,
+    answer_from_wire,
+)
 from dpserve.scheduler.request import Bootstrap
 
 logger = logging.getLogger("dpserve")
@@ -45,8 +53,8 @@ def local_host() -> str:
 class _Room:
     rid: str | None = None  # the prefill request of this room, while it runs
     peer: bytes | None = None  # the decode leader that asked (its ROUTER identity)
-    dest: dict | None = None  # where to write
-    reply: dict | None = None  # the answer, once the request ended before the decode side asked
+    dest: Destination | None = None  # where to write
+    reply: PrefillAnswer | None = None  # the answer, once the request ended before the decode side asked
     forwarded: bool = False
     deadline: float = 0.0
 
@@ -60,7 +68,7 @@ class PrefillBootstrap:
         self.port, self.timeout = port, timeout
         self._rooms: dict[int, _Room] = {}
         self._lock = threading.Lock()
-        self._replies: deque[tuple[bytes, dict]] = deque()
+        self._replies: deque[tuple[bytes, int, PrefillAnswer]] = deque()  # (peer, room, answer)
         self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
         try:
@@ -87,14 +95,14 @@ class PrefillBootstrap:
             r = self._rooms.setdefault(room, _Room())
             r.rid, r.deadline = rid, time.monotonic() + self.timeout  # paired by the thread's next tick
 
-    def done(self, room: int, reply: dict) -> None:
+    def done(self, room: int, reply: PrefillAnswer) -> None:
         """The request of `room` ended: `reply` is its first token, or its error."""
         with self._lock:
             r = self._rooms.get(room)
             if r is None:
                 return
             if r.peer is not None:
-                self._replies.append((r.peer, {"room": room, **reply}))
+                self._replies.append((r.peer, room, reply))
                 del self._rooms[room]
             else:  # kept for a decode side that asks late
                 r.rid, r.reply, r.deadline = None, reply, time.monotonic() + self.timeout
@@ -117,8 +125,8 @@ class PrefillBootstrap:
                 try:
                     msg = zmq.utils.jsonapi.loads(payload)
                     room = int(msg["room"])
-                    if not msg.get("cancel") and not isinstance(msg["dest"], dict):
-                        raise TypeError("no destination")
+                    if not msg.get("cancel"):
+                        msg["dest"] = Destination.from_wire(msg["dest"])
                 except (ValueError, KeyError, TypeError):
                     logger.warning("bootstrap: a malformed message was dropped")
                     continue
@@ -127,32 +135,27 @@ class PrefillBootstrap:
             with self._lock:
                 self._tick(time.monotonic())
                 while self._replies:
-                    peer, reply = self._replies.popleft()
-                    self._router.send_multipart([peer, zmq.utils.jsonapi.dumps(reply)])
+                    peer, room, reply = self._replies.popleft()
+                    self._router.send_multipart(
+                        [peer, zmq.utils.jsonapi.dumps({"room": room, **reply.wire()})]
+                    )
 
     def _on_peer(self, peer: bytes, room: int, msg: dict) -> None:
         r = self._rooms.get(room)
         if msg.get("cancel"):
             if r is not None and r.peer == peer and r.rid is not None:
-                self._events.send_pyobj({"type": "room_cancel", "rid": r.rid, "room": room})
+                self._events.send_pyobj(RoomCancel(r.rid, room))
             elif r is not None and r.peer == peer:
                 del self._rooms[room]
             return
         if r is not None and r.peer is not None:
-            self._replies.append(
-                (
-                    peer,
-                    {
-                        "room": room,
-                        "error": f"bootstrap_room {room} is already taken by another decode request",
-                    },
-                )
-            )
+            taken = f"bootstrap_room {room} is already taken by another decode request"
+            self._replies.append((peer, room, PrefillFailed(taken)))
             return
         r = self._rooms.setdefault(room, _Room(deadline=time.monotonic() + self.timeout))
         r.peer, r.dest = peer, msg["dest"]
         if r.reply is not None:
-            self._replies.append((peer, {"room": room, **r.reply}))
+            self._replies.append((peer, room, r.reply))
             del self._rooms[room]
 
     def _tick(self, now: float) -> None:
@@ -161,18 +164,16 @@ class PrefillBootstrap:
         for room, r in list(self._rooms.items()):
             if r.rid is not None and r.dest is not None and not r.forwarded:
                 r.forwarded = True
-                self._events.send_pyobj({"type": "kv_dest", "rid": r.rid, "room": room, "dest": r.dest})
+                self._events.send_pyobj(KVDestination(r.rid, room, r.dest))
             if now < r.deadline or r.forwarded:
                 continue
             if r.rid is not None:  # the decode side never asked: the request is aborted, done() follows
                 r.deadline = float("inf")
                 message = f"no decode instance asked for bootstrap_room {room} within {self.timeout:g} s"
-                self._events.send_pyobj(
-                    {"type": "room_cancel", "rid": r.rid, "room": room, "message": message}
-                )
+                self._events.send_pyobj(RoomCancel(r.rid, room, message))
             elif r.peer is not None:
                 message = f"no request with bootstrap_room {room} reached the prefill instance within {self.timeout:g} s"
-                self._replies.append((r.peer, {"room": room, "error": message}))
+                self._replies.append((r.peer, room, PrefillFailed(message)))
                 del self._rooms[room]
             else:
                 del self._rooms[room]
@@ -206,8 +207,8 @@ class DecodeLink:
         """Whether an answer is awaited."""
         return bool(self._waits)
 
-    def request(self, rid: str, boot: Bootstrap, dest: dict) -> None:
-        self._send(boot.host, boot.port, {"room": boot.room, "dest": dest})
+    def request(self, rid: str, boot: Bootstrap, dest: Destination) -> None:
+        self._send(boot.host, boot.port, {"room": boot.room, "dest": dest.wire()})
         wait = _Wait(rid, (boot.host, boot.port, boot.room), time.monotonic() + self.timeout)
         self._waits[wait.key] = self._by_rid[rid] = wait
 
@@ -221,18 +222,19 @@ class DecodeLink:
         if not wait.cancelled:
             self._cancel(wait)
 
-    def poll(self) -> list[tuple[str, dict]]:
-        """(rid, answer) of the requests answered, or past their deadline ({"error": ...})."""
+    def poll(self) -> list[tuple[str, PrefillAnswer]]:
+        """(rid, answer) of the requests answered, or past their deadline (PrefillFailed)."""
         out = []
         for (host, port), sock in self._dealers.items():
             while sock.poll(0):
                 with contextlib.suppress(ValueError, KeyError, TypeError):
                     msg = zmq.utils.jsonapi.loads(sock.recv())
                     wait = self._waits.get((host, port, int(msg["room"])))
+                    answer = answer_from_wire(msg)
                     if wait is not None:
                         self._done(wait)
                         if not wait.cancelled:
-                            out.append((wait.rid, msg))
+                            out.append((wait.rid, answer))
         now = time.monotonic()
         for wait in list(self._waits.values()):
             if now < wait.deadline:
@@ -245,7 +247,7 @@ class DecodeLink:
                 f"the prefill instance {host}:{port} did not deliver the KV of bootstrap_room {room} "
                 f"within {self.timeout:g} s"
             )
-            out.append((wait.rid, {"error": message}))
+            out.append((wait.rid, PrefillFailed(message)))
             self._cancel(wait)
         return out
 

@@ -8,20 +8,12 @@ import logging
 from dpserve.config import EngineConfig
 from dpserve.engine.front_end import FrontEnd, RequestState
 from dpserve.engine.worker_pool import WorkerFailure
+from dpserve.messages import Abort
 from dpserve.sampling_params import SamplingParams
 
 __all__ = ["Engine", "WorkerFailure"]
 
 logger = logging.getLogger("dpserve")
-
-META_KEYS = (
-    "prompt_tokens",
-    "completion_tokens",
-    "cached_tokens",
-    "spec_verify_ct",
-    "finish_reason",
-    "dp_rank",
-)
 
 
 class Engine:
@@ -150,21 +142,21 @@ class Engine:
 
     def _result(self, state: RequestState, params: SamplingParams) -> dict:
         o = state.output
-        if o["finish_reason"]["type"] == "abort":
-            raise ValueError(o["finish_reason"]["message"])
+        if isinstance(o.finish_reason, Abort):
+            raise ValueError(o.finish_reason.message)
         text = ""
         if self.tokenizer is not None:
             text = self.tokenizer.decode(
-                o["output_ids"],
+                o.output_ids,
                 skip_special_tokens=params.skip_special_tokens,
                 spaces_between_special_tokens=params.spaces_between_special_tokens,
             )
-        meta = {k: o[k] for k in META_KEYS}
-        if o["return_logprob"]:
-            meta["output_token_logprobs"] = o["output_token_logprobs"]
+        meta = o.meta_info()
+        if o.return_logprob:
+            meta["output_token_logprobs"] = o.output_token_logprobs
             if params.top_logprobs_num:
-                meta["output_top_logprobs"] = o["output_top_logprobs"]
-        return {"text": text, "output_ids": o["output_ids"], "meta_info": meta}
+                meta["output_top_logprobs"] = o.output_top_logprobs
+        return {"text": text, "output_ids": o.output_ids, "meta_info": meta}
 
 
 def _load_tokenizer(model_path: str):

@@ -21,6 +21,22 @@ from dpserve.engine.router import Router
 from dpserve.engine.worker_pool import WorkerPool, prepared
 from dpserve.grammar import check_grammar
 from dpserve.memory import RANK_FIGURES
+from dpserve.messages import (
+    Abort,
+    AbortRequest,
+    ExpertLoad,
+    FirstToken,
+    FlushCache,
+    GetExpertLoad,
+    GetStepLog,
+    KVDestination,
+    PrefillFailed,
+    RequestOutput,
+    RoomCancel,
+    StepLog,
+    StepReport,
+    TokenOut,
+)
 from dpserve.models.config import ModelConfig
 from dpserve.models.loader import CheckpointReader
 from dpserve.sampling_params import SamplingParams
@@ -41,8 +57,8 @@ class RequestState:
     arrival: float = field(default_factory=time.monotonic)
     first_token: float | None = None  # when its first token arrived
     cached_tokens: int = 0  # prompt tokens its group found in the prefix cache (known at admission)
-    new: list[tuple[int, float, list]] = field(default_factory=list)  # (token, logprob, top) not taken yet
-    output: dict | None = None  # the worker's final output: the request is done
+    new: list[TokenOut] = field(default_factory=list)  # tokens not taken yet
+    output: RequestOutput | None = None  # the worker's final output: the request is done
     room: int | None = None  # prefill-decode disaggregation: its bootstrap room
 
 
@@ -64,8 +80,8 @@ class FrontEnd:
         self.model_cfg = load_model_config(cfg)
         self.router = Router(cfg)
         self.workers = WorkerPool(cfg)
-        self.dp_info = self.workers.dp_info
-        self.stats = [info["stats"] for info in self.dp_info]  # each group's latest report
+        self.dp_info = [ready.figures for ready in self.workers.ready]  # per DP group, from its leader
+        self.stats = [ready.stats for ready in self.workers.ready]  # each group's latest report
         self.kv_capacity = min(info["max_total_num_tokens"] for info in self.dp_info)
         self.counters = {"requests": 0, "prompt_tokens": 0, "generation_tokens": 0, "aborted": 0}
         self.requests: dict[str, RequestState] = {}
@@ -153,79 +169,75 @@ class FrontEnd:
         state = self.requests.get(rid)
         if state is not None and state.output is None and not self.workers.closed:
             self.counters["aborted"] += 1
-            self.workers.send(state.dp_rank, {"type": "abort", "rid": rid, "message": message})
+            self.workers.send(state.dp_rank, AbortRequest(rid, message))
 
     def release(self, rid: str) -> None:
         """Forgets a request (finished, or given up by its caller)."""
         if self.requests.pop(rid, None) is not None:
             self.router.on_finish(rid)
 
-    def recv(self, timeout_ms: int | None = None) -> dict | None:
+    def recv(self, timeout_ms: int | None = None) -> object | None:
         """The next worker message (None after `timeout_ms`); raises WorkerFailure."""
         return self.workers.recv(timeout_ms)
 
-    def apply(self, msg: dict) -> list[RequestState]:
+    def apply(self, msg: object) -> list[RequestState]:
         """Applies a worker message (or the bootstrap endpoint's); returns the requests it changed."""
-        if msg["type"] in ("kv_dest", "room_cancel"):
-            state = self.requests.get(msg["rid"])
-            if state is not None and msg["type"] == "kv_dest":
-                self.workers.send(state.dp_rank, msg)
-            elif state is not None:
-                self.abort(msg["rid"], msg.get("message", "the decode side gave the request up"))
-            return []
-        if msg["type"] in ("step_log", "expert_load"):
-            self.replies[msg["dp_rank"]] = msg["steps" if msg["type"] == "step_log" else "load"]
-            return []
-        if msg["type"] != "step":
-            return []
-        self.stats[msg["dp_rank"]] = msg["stats"]
-        self.counters["generation_tokens"] += len(msg["tokens"])
+        match msg:
+            case KVDestination(rid=rid) if rid in self.requests:
+                self.workers.send(self.requests[rid].dp_rank, msg)
+            case RoomCancel(rid=rid, message=message) if rid in self.requests:
+                self.abort(rid, message)
+            case StepLog(dp_rank=g, steps=reply) | ExpertLoad(dp_rank=g, load=reply):
+                self.replies[g] = reply
+            case StepReport():
+                return self._apply_step(msg)
+        return []
+
+    def _apply_step(self, msg: StepReport) -> list[RequestState]:
+        self.stats[msg.dp_rank] = msg.stats
+        self.counters["generation_tokens"] += len(msg.tokens)
         touched = {}
         now = time.monotonic()
-        for rid, cached in msg["cached"]:
+        for rid, cached in msg.cached:
             if rid in self.requests:
                 self.requests[rid].cached_tokens = cached
-        for rid, tok, lp, top in msg["tokens"]:
-            state = self.requests.get(rid)
+        for token in msg.tokens:
+            state = self.requests.get(token.rid)
             if state is not None:
                 state.first_token = state.first_token or now
-                state.new.append((tok, lp, top))
-                self.router.on_token(rid)
-                touched[rid] = state
-        for output in msg["finished"]:
-            state = self.requests.get(output["rid"])
+                state.new.append(token)
+                self.router.on_token(token.rid)
+                touched[token.rid] = state
+        for output in msg.finished:
+            state = self.requests.get(output.rid)
             if state is not None:
                 state.output = output
-                touched[output["rid"]] = state
+                touched[output.rid] = state
                 if state.room is not None:
                     self._room_done(state.room, output)
         return list(touched.values())
 
-    def _room_done(self, room: int, output: dict) -> None:
+    def _room_done(self, room: int, output: RequestOutput) -> None:
         """Counts the room's KV write as failed or done; on a prefill instance, tells the decode side
         the room's first token, or why there is none."""
         self.rooms.pop(room, None)
-        reason = output["finish_reason"]
-        if reason.get("write_failed"):
-            self.transfer_failures, self.transfer_error = self.transfer_failures + 1, reason["message"]
-        elif reason["type"] != "abort":
+        reason = output.finish_reason
+        failed = isinstance(reason, Abort)
+        if failed and reason.write_failed:
+            self.transfer_failures, self.transfer_error = self.transfer_failures + 1, reason.message
+        elif not failed:
             self.transfer_failures = 0
         if self.bootstrap is None:
             return
-        if reason["type"] == "abort":
-            error = f"the prefill instance failed the request: {reason['message']}"
-            self.bootstrap.done(room, {"error": error, "write_failed": bool(reason.get("write_failed"))})
+        if failed:
+            error = f"the prefill instance failed the request: {reason.message}"
+            self.bootstrap.done(room, PrefillFailed(error, bool(reason.write_failed)))
             return
-        logprobs, tops = output["output_token_logprobs"], output["output_top_logprobs"]
-        self.bootstrap.done(
-            room,
-            {
-                "token": output["output_ids"][0],
-                "logprob": logprobs[0] if logprobs else 0.0,
-                "top": [list(t) for t in tops[0]] if tops else [],
-                "drafts": output.get("drafts", []),
-            },
+        logprobs, tops = output.output_token_logprobs, output.output_top_logprobs
+        first = FirstToken(
+            output.output_ids[0], logprobs[0] if logprobs else 0.0, tops[0] if tops else [], output.drafts
         )
+        self.bootstrap.done(room, first)
 
     def health(self) -> str | None:
         """What keeps this instance from serving prefill-decode requests (None: nothing)."""
@@ -235,18 +247,18 @@ class FrontEnd:
             return f"the last {self.transfer_failures} KV transfers failed, the latest: {self.transfer_error}"
         return None
 
-    def ask(self, what: str) -> list:
-        """Every group leader's reply to `get_{what}` (step_log, expert_load), in DP-rank order;
-        each leader clears what it sent. The server, whose receiver thread applies every message,
-        sends the question and takes the replies once `answered`."""
-        self.send_question(what)
+    def ask(self, question: GetStepLog | GetExpertLoad) -> list:
+        """Every group leader's reply to `question`, in DP-rank order; each leader clears what it
+        sent. The server, whose receiver thread applies every message, sends the question and takes
+        the replies once `answered`."""
+        self.send_question(question)
         while not self.answered:
             self.apply(self.recv())
         return self.take_replies()
 
-    def send_question(self, what: str) -> None:
+    def send_question(self, question: GetStepLog | GetExpertLoad) -> None:
         for g in range(self.cfg.dp_size):
-            self.workers.send(g, {"type": f"get_{what}"})
+            self.workers.send(g, question)
 
     @property
     def answered(self) -> bool:
@@ -260,16 +272,16 @@ class FrontEnd:
         """Empties every group's prefix cache of the entries no running request holds, and the
         routing trees that follow them (POST /flush_cache)."""
         for g in range(self.cfg.dp_size):
-            self.workers.send(g, {"type": "flush_cache"})
+            self.workers.send(g, FlushCache())
         self.router.flush()
 
     def get_step_logs(self) -> list[list]:
         """Per DP group, the StepRecords of the steps run since the last call (then cleared)."""
-        return self.ask("step_log")
+        return self.ask(GetStepLog())
 
     def get_expert_load(self) -> list[list[int]]:
         """Rows routed to each expert of each MoE layer since the last call, [layers][experts]."""
-        return self.total_expert_load(self.ask("expert_load"))
+        return self.total_expert_load(self.ask(GetExpertLoad()))
 
     def total_expert_load(self, loads: list) -> list[list[int]]:
         """The instance's rows per expert from every leader's reply: under DP attention each leader

@@ -31,6 +31,7 @@ import zmq
 
 from dpserve import cpu_ops
 from dpserve.config import EngineConfig
+from dpserve.messages import Beat, Ready, Shutdown, Wake, WorkerError
 from dpserve.models.gguf import resolve_model_path
 from dpserve.worker.channels import WorkerAddresses, heartbeat_interval
 from dpserve.worker.process import STACK_DUMP_SIGNAL, run_worker
@@ -221,17 +222,17 @@ class WorkerPool:
         self.collector = connect.outputs  # where others may report to the front end too
         self.procs = start_ranks(cfg, connect)
         self.closed = False
-        ready: dict[int, dict] = {}
+        ready: dict[int, Ready] = {}
         try:
             while len(ready) < cfg.world_size:
                 msg = self.recv()
-                if msg is not None:
-                    ready[msg["rank"]] = msg
+                if isinstance(msg, Ready):
+                    ready[msg.rank] = msg
         except BaseException:
             self.shutdown()
             raise
-        # One entry per DP group, from its leader.
-        self.dp_info = [ready[g * cfg.attn_tp_size] for g in range(cfg.dp_size)]
+        # One per DP group, from its leader.
+        self.ready = [ready[g * cfg.attn_tp_size] for g in range(cfg.dp_size)]
 
     def send(self, dp_rank: int, msg: object, wake_all: bool = False) -> None:
         """`msg` to group `dp_rank`'s leader; `wake_all`: the other groups of its instance (DP
@@ -242,7 +243,7 @@ class WorkerPool:
         if wake_all and self.cfg.enable_dp_attention:
             for g, sock in enumerate(self._requests):
                 if g != dp_rank:
-                    self._push(sock, {"type": "wake"})
+                    self._push(sock, Wake())
 
     def _push(self, sock: zmq.Socket, msg: object) -> None:
         # A PUSH whose leader is gone blocks forever: once a rank died the message is dropped
@@ -256,7 +257,7 @@ class WorkerPool:
                     return
                 sock.poll(POLL_MS, zmq.POLLOUT)
 
-    def recv(self, timeout_ms: int | None = None) -> dict | None:
+    def recv(self, timeout_ms: int | None = None) -> object | None:
         """The next message from a worker, or None after `timeout_ms` (None: wait for one).
         Raises WorkerFailure when a rank reported an error, a local rank died or the watchdog tripped."""
         if self.closed:
@@ -267,7 +268,7 @@ class WorkerPool:
         finally:
             self.watchdog.leave(time.monotonic())
 
-    def _recv(self, timeout_ms: int | None) -> dict | None:
+    def _recv(self, timeout_ms: int | None) -> object | None:
         deadline = None if timeout_ms is None else time.monotonic() + timeout_ms / 1000
         while True:
             if not self._outputs.poll(POLL_MS):
@@ -278,11 +279,11 @@ class WorkerPool:
                     return None
                 continue
             msg = self._outputs.recv_pyobj()
-            if msg["type"] == "error":
-                self._fail(f"worker rank {msg['rank']} failed: {msg['error']}\n{msg['traceback']}")
-            if msg["type"] != "heartbeat":
+            if isinstance(msg, WorkerError):
+                self._fail(f"worker rank {msg.rank} failed: {msg.error}\n{msg.traceback}")
+            if not isinstance(msg, Beat):
                 return msg
-            self.watchdog.beat(msg["rank"], msg["step_age"], time.monotonic())
+            self.watchdog.beat(msg.rank, msg.step_age, time.monotonic())
             self._check_watchdog()
 
     def _check_watchdog(self) -> None:
@@ -317,7 +318,7 @@ class WorkerPool:
         self.closed = True
         for sock in self._requests:
             with contextlib.suppress(zmq.Again):  # a leader that is gone is killed below
-                sock.send_pyobj({"type": "shutdown"}, flags=zmq.NOBLOCK)
+                sock.send_pyobj(Shutdown(), flags=zmq.NOBLOCK)
         stop_ranks(self.procs, timeout)
         self._zmq.destroy(linger=0)
         shutil.rmtree(self._dir, ignore_errors=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from dpserve.messages import RequestOutput
 from dpserve.scheduler.request import Req
 from dpserve.step.records import DraftBatch, GroupBatch
 
@@ -20,7 +21,9 @@ class ScheduledStep:
     sends: list[str] = field(default_factory=list)  # prefill side: requests whose KV the step writes out
     reserved: list[Req] = field(default_factory=list)  # decode side: admitted awaiting the prefill's KV
     admitted: list[tuple[str, int]] = field(default_factory=list)  # (rid, cached prompt tokens), new ones
-    failed: list[dict] = field(default_factory=list)  # outputs of requests it ended (grammar did not compile)
+    failed: list[RequestOutput] = field(
+        default_factory=list
+    )  # outputs of requests it ended (grammar did not compile)
     retractions: int = 0  # requests retracted to make room for it
     # NEXTN, after its samples: the MTP forwards and the requests they draft for, in order.
     draft_batch: DraftBatch = field(default_factory=DraftBatch)

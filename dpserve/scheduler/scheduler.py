@@ -25,12 +25,22 @@ from __future__ import annotations
 import logging
 import random
 from collections import deque
+from dataclasses import replace
 
 import torch
 
 from dpserve.grammar import COUNTERS as GRAMMAR_COUNTERS
 from dpserve.grammar import GrammarCache, Matcher, grammar_key
-from dpserve.messages import Abort, FinishReason, Length, Stop
+from dpserve.messages import (
+    Abort,
+    Destination,
+    FinishReason,
+    FirstToken,
+    Length,
+    RequestOutput,
+    Stop,
+    TokenOut,
+)
 from dpserve.scheduler.cache_manager import CacheManager
 from dpserve.scheduler.request import GenerateRequest, Req, check_request, max_kv_len
 from dpserve.scheduler.scheduled import ScheduledStep
@@ -112,7 +122,7 @@ class Scheduler:
         # Prefill: requests whose first token is out, holding their KV until it is written to the
         # decode side (with the finish reason they then report), and where each one's KV goes.
         self.sending: dict[str, tuple[Req, FinishReason]] = {}
-        self.destinations: dict[str, dict] = {}
+        self.destinations: dict[str, Destination] = {}
         # Decode: slots of ended requests the prefill side may still write into.
         self.limbo: dict[str, tuple[list[int], list[int]]] = {}  # rid -> its slots, those with window slots
         self.free_rows = list(range(max_running, 0, -1))  # row 0 is the padding row
@@ -126,7 +136,7 @@ class Scheduler:
 
     # --- requests in and out ---------------------------------------------------------------------
 
-    def add(self, msg: GenerateRequest) -> dict | None:
+    def add(self, msg: GenerateRequest) -> RequestOutput | None:
         """Queues a request; returns an error output if it can never run."""
         try:
             check_request(msg.input_ids, msg.params, self.vocab_size, self.context_len, self.kv_capacity)
@@ -147,7 +157,7 @@ class Scheduler:
         self.waiting.append(req)
         return None
 
-    def abort(self, rid: str, message: str = "aborted") -> dict | None:
+    def abort(self, rid: str, message: str = "aborted") -> RequestOutput | None:
         for req in [*self.waiting, *self.running, *(r for r, _ in self.sending.values())]:
             if req.rid == rid:
                 return self._finish(req, Abort(message))
@@ -155,12 +165,12 @@ class Scheduler:
 
     # --- prefill-decode disaggregation -----------------------------------------------------------
 
-    def set_destination(self, rid: str, dest: dict) -> None:
+    def set_destination(self, rid: str, dest: Destination) -> None:
         """Prefill: where `rid`'s KV goes (written once its first token is out)."""
         if rid in self.sending or any(r.rid == rid for r in [*self.waiting, *self.running]):
             self.destinations[rid] = dest
 
-    def sent(self, step: ScheduledStep, errors: list[str | None]) -> list[dict]:
+    def sent(self, step: ScheduledStep, errors: list[str | None]) -> list[RequestOutput]:
         """Prefill: `step`'s sends are done (or failed: their error); their requests end."""
         out = []
         for rid, error in zip(step.sends, errors, strict=True):
@@ -172,34 +182,33 @@ class Scheduler:
                 message = f"writing the KV failed: {error}"
                 reason = Abort(message, 500, write_failed=True)
             drafts = req.proposed  # NEXTN: the MTP layer's first chain, for the decode side to verify
-            out.append({**self._finish(req, reason), "drafts": drafts})
+            out.append(replace(self._finish(req, reason), drafts=drafts))
         return out
 
-    def kv_arrived(
-        self, rid: str, token: int, logprob: float, top: list, drafts: list[int]
-    ) -> tuple[list, list[dict]]:
+    def kv_arrived(self, rid: str, first: FirstToken) -> tuple[list[TokenOut], list[RequestOutput]]:
         """Decode: the prefill side wrote `rid`'s prompt KV (with NEXTN its MTP layer's too) and
-        sampled `token` (and drafted `drafts`): it decodes from its next step. Returns its token as
-        process_samples does, and its output if that token ends it."""
+        sampled its first token (and drafted its first chain): it decodes from its next step.
+        Returns its token as process_samples does, and its output if that token ends it."""
         req = self._awaiting(rid)
         if req is None:
             return [], []
         req.awaiting = False
-        req.proposed = list(drafts) if self.nextn else []
+        req.proposed = list(first.drafts) if self.nextn else []
         req.prefix_pending = True  # its next step writes the prompt's slots into its table row
         self.kv.cache(req)
-        top = [tuple(t) for t in top]
+        token = first.token
         if not self._grammar_accepts(req, token):
             return [], [self._finish(req, grammar_refused(token, 0))]
-        reason = self._take_token(req, token, logprob, top)
+        reason = self._take_token(req, token, first.logprob, first.top)
         self.counters["generated_tokens"] += 1
+        new = [TokenOut(rid, token, first.logprob, first.top)]
         if reason is not None:
-            return [(rid, token, logprob, top)], [self._finish(req, reason)]
+            return new, [self._finish(req, reason)]
         if req.rid in self.token_counts.rows:
             self.token_counts.add([rid], [token])
-        return [(rid, token, logprob, top)], []
+        return new, []
 
-    def kv_failed(self, rid: str, message: str, write_failed: bool = False) -> dict | None:
+    def kv_failed(self, rid: str, message: str, write_failed: bool = False) -> RequestOutput | None:
         """Decode: `rid`'s KV will not come (`write_failed`: the prefill side could not write it);
         it fails with 503 naming why."""
         req = self._awaiting(rid)
@@ -421,11 +430,10 @@ class Scheduler:
         logprobs: list[list[float]],
         top_logprobs: list[list[list[tuple[int, float]]]] | None = None,
         errors: list[str | None] | None = None,
-    ) -> tuple[list[tuple[str, int, float, list[tuple[int, float]]]], list[dict]]:
+    ) -> tuple[list[TokenOut], list[RequestOutput]]:
         """Appends each of `step`'s sampling requests' new tokens (one, or a verify step's accepted drafts and the
         next token), in order and none past a finish; frees the KV of rejected drafts; counts them for
-        the penalties of requests still running; returns the tokens as (rid, token, logprob, top
-        alternatives) and the outputs of the requests that finished. Freshly prefilled prompts go
+        the penalties of requests still running; returns the tokens and the outputs of the requests that finished. Freshly prefilled prompts go
         into the prefix cache. A request the sampler could not go on with (`errors`) ends there, as
         an abort its caller sees as a 400 naming the cause."""
         for req in step.prefilled:
@@ -440,7 +448,7 @@ class Scheduler:
                 if not self._grammar_accepts(req, tok):  # its mask allowed it: never, unless a bug
                     reason = grammar_refused(tok, len(req.output_ids))
                     break
-                new.append((req.rid, tok, lp, top))
+                new.append(TokenOut(req.rid, tok, lp, top))
                 emitted += 1
                 reason = self._take_token(req, tok, lp, top)
                 if reason is not None:
@@ -542,7 +550,7 @@ class Scheduler:
             return Length(len(req.output_ids))
         return None
 
-    def _finish(self, req: Req, reason: FinishReason) -> dict:
+    def _finish(self, req: Req, reason: FinishReason) -> RequestOutput:
         if req in self.running:
             self._release(req)
             self.running.remove(req)
@@ -554,17 +562,16 @@ class Scheduler:
             self.waiting.remove(req)
         return self._output(req, reason)
 
-    def _output(self, req: Req, reason: FinishReason) -> dict:
-        return {
-            "rid": req.rid,
-            "output_ids": list(req.output_ids),
-            "return_logprob": req.return_logprob,
-            "output_token_logprobs": list(req.logprobs) if req.return_logprob else [],
-            "output_top_logprobs": list(req.top_logprobs) if req.return_logprob else [],
-            "finish_reason": reason.wire(),
-            "prompt_tokens": len(req.input_ids),
-            "completion_tokens": len(req.output_ids),
-            "cached_tokens": req.cached_tokens or 0,
-            "spec_verify_ct": req.spec_verify_ct,
-            "dp_rank": self.dp_rank,
-        }
+    def _output(self, req: Req, reason: FinishReason) -> RequestOutput:
+        return RequestOutput(
+            req.rid,
+            list(req.output_ids),
+            reason,
+            prompt_tokens=len(req.input_ids),
+            cached_tokens=req.cached_tokens or 0,
+            spec_verify_ct=req.spec_verify_ct,
+            dp_rank=self.dp_rank,
+            return_logprob=req.return_logprob,
+            output_token_logprobs=list(req.logprobs) if req.return_logprob else [],
+            output_top_logprobs=list(req.top_logprobs) if req.return_logprob else [],
+        )

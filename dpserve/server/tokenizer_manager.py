@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from dpserve.config import EngineConfig
 from dpserve.engine.front_end import FrontEnd, RequestState
 from dpserve.engine.worker_pool import WorkerFailure
-from dpserve.messages import Abort, Stop
+from dpserve.messages import Abort, GetExpertLoad, StepReport, Stop
 from dpserve.models.tokenizer import load_tokenizer
 from dpserve.sampling_params import SamplingParams
 from dpserve.scheduler.request import Bootstrap
@@ -212,9 +212,9 @@ class TokenizerManager:
 
     def _take(self, stream: _Stream) -> Chunk:
         state = stream.state
-        tokens = [t for t, _, _ in state.new]
-        logprobs = [lp for _, lp, _ in state.new]
-        tops = [top for _, _, top in state.new]
+        tokens = [t.token for t in state.new]
+        logprobs = [t.logprob for t in state.new]
+        tops = [t.top for t in state.new]
         state.new.clear()
         stream.detok.add(tokens)
         if stream.detok.matched_stop is not None and stream.finish_reason is None:
@@ -224,7 +224,7 @@ class TokenizerManager:
             stream.finish_reason = Stop(stream.detok.matched_stop).wire()
             self.front.abort(state.rid)
         elif state.output is not None and stream.finish_reason is None:
-            stream.finish_reason = state.output["finish_reason"]
+            stream.finish_reason = state.output.finish_reason.wire()
         stream.completion_tokens += len(tokens)
         done = stream.finish_reason is not None and stream.finish_reason["type"] != "abort"
         if done and state.first_token is not None and stream.completion_tokens > 1:
@@ -239,7 +239,7 @@ class TokenizerManager:
             prompt_tokens=state.prompt_tokens,
             completion_tokens=stream.completion_tokens,
             cached_tokens=state.cached_tokens,
-            spec_verify_ct=state.output["spec_verify_ct"] if state.output else 0,
+            spec_verify_ct=state.output.spec_verify_ct if state.output else 0,
             dp_rank=state.dp_rank,
         )
 
@@ -257,7 +257,7 @@ class TokenizerManager:
             raise RequestError(f"{self.model_cfg.arch} has no routed experts: there is no expert load")
         async with self._asking:
             self._answered = asyncio.Event()
-            self.front.send_question("expert_load")
+            self.front.send_question(GetExpertLoad())
             await self._answered.wait()
             self._answered = None
             if self.failure is not None:
@@ -279,11 +279,12 @@ class TokenizerManager:
             if msg is not None:
                 self._loop.call_soon_threadsafe(self._dispatch, msg)
 
-    def _dispatch(self, msg: dict) -> None:
-        for value in msg.get("expert_imbalance", ()):
-            self.metrics_registry.expert_imbalance.labels(str(msg["dp_rank"])).observe(value)
-        for rebalance in msg.get("rebalances", ()):
-            self.metrics_registry.observe_rebalance(msg["dp_rank"], rebalance)
+    def _dispatch(self, msg: object) -> None:
+        if isinstance(msg, StepReport):
+            for value in msg.expert_imbalance:
+                self.metrics_registry.expert_imbalance.labels(str(msg.dp_rank)).observe(value)
+            for rebalance in msg.rebalances:
+                self.metrics_registry.observe_rebalance(msg.dp_rank, rebalance)
         for state in self.front.apply(msg):
             stream = self._streams.get(state.rid)
             if stream is None:

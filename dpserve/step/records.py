@@ -15,6 +15,8 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from dpserve.messages import Destination
+
 MODES = ("idle", "decode", "verify", "extend")  # ordered so that a step's global kind is the largest
 
 
@@ -50,12 +52,11 @@ class BatchReq:
 
 @dataclass
 class KVSend:
-    """Prefill-decode disaggregation: one request's prompt KV to write into a decode group's pool.
-    `dest`, as the decode leader sent it: its "slots" and "window_slots", its ranks' pool
-    descriptors ("ranks"), and what both sides must agree on ("kv_heads", "nextn", "window")."""
+    """Prefill-decode disaggregation: one request's prompt KV to write into a decode group's pool,
+    at `dest`, as the decode leader sent it."""
 
     slots: list[int]  # the prompt's KV slots in this group's pool
-    dest: dict
+    dest: Destination
     window: list[int] = field(default_factory=list)  # hybrid pool: window slots of the prompt's last W - 1
 
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import zmq
 
+from dpserve.messages import Beat
+
 logger = logging.getLogger("dpserve.worker")
 
 SEND_LINGER_MS = 5000  # how long an exiting rank tries to deliver its last messages
@@ -69,5 +71,5 @@ class Heartbeat:
                 os._exit(1)
             # Never block: a front end that is not reading (an idle Engine) lets the queue fill.
             with contextlib.suppress(zmq.Again):
-                sock.send_pyobj({"type": "heartbeat", "rank": self.rank, "step_age": age}, flags=zmq.NOBLOCK)
+                sock.send_pyobj(Beat(self.rank, age), flags=zmq.NOBLOCK)
         sock.close(linger=0)

@@ -27,6 +27,24 @@ from dpserve.eplb.rebalance import Rebalance, Rebalancer
 from dpserve.grammar import GrammarCache
 from dpserve.layers.mlp import expert_rows
 from dpserve.memory import RANK_FIGURES
+from dpserve.messages import (
+    AbortRequest,
+    Destination,
+    ExpertLoad,
+    FirstToken,
+    FlushCache,
+    GetExpertLoad,
+    GetStepLog,
+    KVDestination,
+    PrefillFailed,
+    Ready,
+    RequestOutput,
+    Shutdown,
+    StepLog,
+    StepReport,
+    TokenOut,
+    Wake,
+)
 from dpserve.models.config import ModelConfig
 from dpserve.scheduler.request import GenerateRequest
 from dpserve.scheduler.scheduled import ScheduledStep
@@ -124,11 +142,9 @@ class Worker:
                 model_cfg.expert_groups,
             )
         self._pending: tuple[StepRecord, torch.Tensor, torch.cuda.Event | None] | None = None
-        self.report = StepReport(self.dp_rank)
+        self.report = ReportBuilder(self.dp_rank)
         figures = {k: getattr(runner, k) for k in RANK_FIGURES}
-        out.send_pyobj(
-            {"type": "ready", "rank": rank, "dp_rank": self.dp_rank, **figures, "stats": self._stats()}
-        )
+        out.send_pyobj(Ready(rank, self.dp_rank, figures, self._stats()))
 
     def _drafter(self, cfg: EngineConfig, model_cfg: ModelConfig) -> NextNDrafter | None:
         """NEXTN's drafter over the model's MTP layers (None without them)."""
@@ -202,7 +218,7 @@ class Worker:
             self.heartbeat.step_start = time.monotonic()
             batch, step = None, None
             if self.scheduler is not None:  # 1. the leader schedules
-                self.report = StepReport(self.dp_rank)
+                self.report = ReportBuilder(self.dp_rank)
                 wait_ms = 0
                 if idle:  # poll often while a grammar compiles or KV is awaited: either may come any time
                     busy = self.scheduler.compiling or (self.link is not None and self.link.busy)
@@ -248,14 +264,13 @@ class Worker:
         """Decode leader: requests whose KV arrived start decoding; those whose KV will not come fail;
         slots of ended requests go back once the prefill side can no longer write into them."""
         s = self.scheduler
-        for rid, reply in self.link.poll():
-            if "error" in reply:
-                message = f"prefill-decode transfer: {reply['error']}"
-                output = s.kv_failed(rid, message, bool(reply.get("write_failed")))
-                self.report.add([], [output] if output else [])
-            else:
-                drafts = reply.get("drafts", [])
-                self.report.add(*s.kv_arrived(rid, reply["token"], reply["logprob"], reply["top"], drafts))
+        for rid, answer in self.link.poll():
+            match answer:
+                case PrefillFailed(error=error, write_failed=write_failed):
+                    output = s.kv_failed(rid, f"prefill-decode transfer: {error}", write_failed)
+                    self.report.add([], [output] if output else [])
+                case FirstToken():
+                    self.report.add(*s.kv_arrived(rid, answer))
         for rid in list(s.limbo):
             if self.link.waiting(rid):
                 self.link.cancel(rid)
@@ -266,14 +281,10 @@ class Worker:
     def _ask_prefill(self, step: ScheduledStep) -> None:
         """Decode leader: where the requests admitted in `step` want their KV."""
         for req in step.reserved:
-            dest = {
-                "slots": req.slots,
-                "ranks": self.group_pools,
-                "kv_heads": self.kv_heads,
-                "nextn": self.nextn,
-                "window": self.runner.window,  # hybrid pool: the window slots of the prompt's last W - 1
-                "window_slots": self.scheduler.window_slots(req),
-            }
+            window_slots = self.scheduler.window_slots(req)  # hybrid pool: those of the prompt's last W - 1
+            dest = Destination(
+                req.slots, self.group_pools, self.kv_heads, self.nextn, self.runner.window, window_slots
+            )
             self.link.request(req.rid, req.bootstrap, dest)
 
     def _write_kv(self, sends: list[KVSend]) -> list[str | None]:
@@ -286,30 +297,29 @@ class Worker:
             torch.cuda.synchronize(self.runner.device)  # the prompts' KV is written by earlier steps
         errors: list[str | None] = []
         for send in sends:
-            ranks = send.dest["ranks"]
+            dest = send.dest
             try:
-                if send.dest["kv_heads"] != self.kv_heads:
+                if dest.kv_heads != self.kv_heads:
                     raise ValueError(
-                        f"the decode instance's model has {send.dest['kv_heads']} KV head(s), this one "
-                        f"{self.kv_heads}"
+                        f"the decode instance's model has {dest.kv_heads} KV head(s), this one {self.kv_heads}"
                     )
-                if send.dest["window"] != self.runner.window:
+                if dest.window != self.runner.window:
                     raise ValueError(
-                        f"sliding-window layers keep a hybrid pool with a {send.dest['window']}-token window "
+                        f"sliding-window layers keep a hybrid pool with a {dest.window}-token window "
                         f"on the decode instance, {self.runner.window} here (0: none): start both with or "
                         "without --disable-hybrid-swa-memory"
                     )
-                if send.dest["nextn"] != self.nextn:
-                    on = "the decode instance" if send.dest["nextn"] else "this prefill instance"
+                if dest.nextn != self.nextn:
+                    on = "the decode instance" if dest.nextn else "this prefill instance"
                     raise ValueError(
                         f"{on} alone runs --speculative-algorithm NEXTN: run it on both (the prefill "
                         "side sends the MTP layer's KV and first drafts) or on neither"
                     )
-                parts = [(self.full_buffers, send.slots, send.dest["slots"])]
+                parts = [(self.full_buffers, send.slots, dest.slots)]
                 if self.window_buffers:
-                    parts.append((self.window_buffers, send.window, send.dest["window_slots"]))
-                for k, heads in reslice(a, len(ranks), self.kv_heads)[j]:
-                    self.transfer.write(PoolDescriptor.from_json(ranks[k]), parts, heads)
+                    parts.append((self.window_buffers, send.window, dest.window_slots))
+                for k, heads in reslice(a, len(dest.ranks), self.kv_heads)[j]:
+                    self.transfer.write(PoolDescriptor.from_json(dest.ranks[k]), parts, heads)
                 errors.append(None)
             except (RuntimeError, ValueError, KeyError, TypeError) as e:
                 logger.error("writing a request's KV failed: %s", e)
@@ -432,59 +442,55 @@ class Worker:
             msg = self.requests.recv_pyobj()
             self.report.changed = True
             output = None
-            if isinstance(msg, GenerateRequest):
-                output = self.scheduler.add(msg)  # an error output if it can never run
-            elif msg["type"] == "abort":
-                output = self.scheduler.abort(msg["rid"], msg.get("message", "aborted"))
-            elif msg["type"] == "kv_dest":
-                self.scheduler.set_destination(msg["rid"], msg["dest"])
-            elif msg["type"] == "wake":  # another group has work: join its steps
-                pass
-            elif msg["type"] == "get_expert_load":  # rows per logical expert (replicas' summed)
-                load = self.expert_load.cpu()
-                self.out.send_pyobj({"type": "expert_load", "dp_rank": self.dp_rank, "load": load})
-                self.expert_load.zero_()
-            elif msg["type"] == "get_step_log":
-                self._log_pending()
-                self.out.send_pyobj(
-                    {"type": "step_log", "dp_rank": self.dp_rank, "steps": list(self.step_log)}
-                )
-                self.step_log.clear()
-            elif msg["type"] == "flush_cache":
-                self.scheduler.flush_cache()
-            elif msg["type"] == "shutdown":
-                shutdown = True
+            match msg:
+                case GenerateRequest():
+                    output = self.scheduler.add(msg)  # an error output if it can never run
+                case AbortRequest(rid=rid, message=message):
+                    output = self.scheduler.abort(rid, message)
+                case KVDestination(rid=rid, dest=dest):
+                    self.scheduler.set_destination(rid, dest)
+                case Wake():  # another group has work: join its steps
+                    pass
+                case GetExpertLoad():
+                    self.out.send_pyobj(ExpertLoad(self.dp_rank, self.expert_load.cpu()))
+                    self.expert_load.zero_()
+                case GetStepLog():
+                    self._log_pending()
+                    self.out.send_pyobj(StepLog(self.dp_rank, list(self.step_log)))
+                    self.step_log.clear()
+                case FlushCache():
+                    self.scheduler.flush_cache()
+                case Shutdown():
+                    shutdown = True
             if output is not None:
                 self.report.finished.append(output)
         return shutdown
 
 
-class StepReport:
-    """What a group leader tells the front end after a step: new tokens (for streaming), finished
-    requests, and its load (for routing and /metrics). One message per step that changed anything."""
+class ReportBuilder:
+    """What a group leader gathers during a step for its `StepReport`; sent when anything changed."""
 
     def __init__(self, dp_rank: int):
         self.dp_rank = dp_rank
-        self.tokens: list[tuple[str, int, float, list]] = []  # (rid, token, logprob, top alternatives)
-        self.expert_imbalance: list[float] = []  # each MoE step's (for /metrics' histogram)
-        self.rebalances: list[Rebalance] = []  # --enable-eplb: those that ended (for /metrics)
-        self.cached: list[tuple[str, int]] = []  # (rid, prompt tokens found cached) of new admissions
-        self.finished: list[dict] = []
+        self.tokens: list[TokenOut] = []
+        self.expert_imbalance: list[float] = []
+        self.rebalances: list[Rebalance] = []
+        self.cached: list[tuple[str, int]] = []
+        self.finished: list[RequestOutput] = []
         self.changed = False
 
-    def add(self, tokens: list[tuple[str, int, float, list]], finished: list[dict]) -> None:
+    def add(self, tokens: list[TokenOut], finished: list[RequestOutput]) -> None:
         self.tokens += tokens
         self.finished += finished
         self.changed = True
 
-    def message(self, stats: dict) -> dict:
-        return {
-            "type": "step",
-            "dp_rank": self.dp_rank,
-            "tokens": self.tokens,
-            "cached": self.cached,
-            "expert_imbalance": self.expert_imbalance,
-            "rebalances": self.rebalances,
-            "finished": self.finished,
-            "stats": stats,
-        }
+    def message(self, stats: dict) -> StepReport:
+        return StepReport(
+            self.dp_rank,
+            self.tokens,
+            self.cached,
+            self.finished,
+            self.expert_imbalance,
+            self.rebalances,
+            stats,
+        )

@@ -18,6 +18,7 @@ import zmq
 from tqdm import tqdm
 
 from dpserve.config import EngineConfig
+from dpserve.messages import WorkerError
 from dpserve.worker.channels import SEND_LINGER_MS, Heartbeat, WorkerAddresses
 
 logger = logging.getLogger("dpserve.worker")
@@ -47,11 +48,11 @@ def run_worker(rank: int, cfg: EngineConfig, addrs: WorkerAddresses) -> None:
     except BaseException as e:  # the front end must learn of every failure, never hang
         logger.exception("failed")
         heartbeat.stop()
-        error = {"type": "error", "rank": rank, "error": f"{type(e).__name__}: {e}"}
+        error = WorkerError(rank, f"{type(e).__name__}: {e}", traceback.format_exc())
         # A PUSH without a peer blocks: a front end that is gone (another node's, stopped) is not
         # waited for beyond the linger.
         if out.poll(SEND_LINGER_MS, zmq.POLLOUT):
-            out.send_pyobj({**error, "traceback": traceback.format_exc()}, flags=zmq.NOBLOCK)
+            out.send_pyobj(error, flags=zmq.NOBLOCK)
         # The message is only queued: destroying the context waits (up to the linger) until it is sent.
         ctx.destroy(linger=SEND_LINGER_MS)
         os._exit(1)
