@@ -100,6 +100,20 @@ class RequestOutput:
 
 
 @dataclass(frozen=True)
+class Rebalance:
+    """One rebalance as the step log and /metrics report it."""
+
+    step: int  # the forward step after which its last layer moved (counted from start-up)
+    slots_moved: int  # slots whose expert changed, all ranks
+    bytes_moved: int  # expert weights sent between ranks, all ranks (copies within a rank not counted)
+    # The window's rows per rank over the mean rank's, averaged over the MoE layers, on the old and
+    # the new placement (each expert's rows split evenly between its replicas).
+    imbalance_before: float
+    imbalance_after: float
+    seconds: float  # this rank's time moving weights, over all the rebalance's step boundaries
+
+
+@dataclass(frozen=True)
 class StepReport:
     """What a group leader tells the front end after a step that changed anything: new tokens,
     requests admitted (with their cached prompt tokens) and ended, its MoE figures, and its load
@@ -110,7 +124,7 @@ class StepReport:
     cached: list[tuple[str, int]]  # (rid, prompt tokens found cached) of new admissions
     finished: list[RequestOutput]
     expert_imbalance: list[float]  # each MoE step's (for /metrics' histogram)
-    rebalances: list  # --enable-eplb: the eplb Rebalances that ended (for /metrics)
+    rebalances: list[Rebalance]  # --enable-eplb: those that ended (for /metrics)
     stats: dict
 
 
@@ -137,7 +151,7 @@ class FlushCache:
 
 @dataclass(frozen=True)
 class GetStepLog:
-    """Send the steps logged since the last ask (`StepLog`), then forget them."""
+    """Send the steps logged since the last ask (`StepRecords`), then forget them."""
 
 
 @dataclass(frozen=True)
@@ -181,13 +195,17 @@ class WorkerError:
 
 
 @dataclass(frozen=True)
-class StepLog:
+class StepRecords:
+    """A group leader's step log (`GetStepLog`'s answer)."""
+
     dp_rank: int
-    steps: list  # the group's StepRecords
+    steps: list  # its StepRecords
 
 
 @dataclass(frozen=True)
 class ExpertLoad:
+    """A group leader's expert load (`GetExpertLoad`'s answer)."""
+
     dp_rank: int
     load: object  # a [layers, experts] tensor of rows per logical expert (replicas' summed)
 

@@ -33,7 +33,7 @@ from dpserve.messages import (
     PrefillFailed,
     RequestOutput,
     RoomCancel,
-    StepLog,
+    StepRecords,
     StepReport,
     TokenOut,
 )
@@ -187,7 +187,7 @@ class FrontEnd:
                 self.workers.send(self.requests[rid].dp_rank, msg)
             case RoomCancel(rid=rid, message=message) if rid in self.requests:
                 self.abort(rid, message)
-            case StepLog(dp_rank=g, steps=reply) | ExpertLoad(dp_rank=g, load=reply):
+            case StepRecords(dp_rank=g, steps=reply) | ExpertLoad(dp_rank=g, load=reply):
                 self.replies[g] = reply
             case StepReport():
                 return self._apply_step(msg)

@@ -17,27 +17,13 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from dpserve.eplb.placement import Placement, imbalance, place
 from dpserve.layers.mlp import MoE
-
-
-@dataclass(frozen=True)
-class Rebalance:
-    """One rebalance as the step log and /metrics report it."""
-
-    step: int  # the forward step after which its last layer moved (counted from start-up)
-    slots_moved: int  # slots whose expert changed, all ranks
-    bytes_moved: int  # expert weights sent between ranks, all ranks (copies within a rank not counted)
-    # The window's rows per rank over the mean rank's, averaged over the MoE layers, on the old and
-    # the new placement (each expert's rows split evenly between its replicas).
-    imbalance_before: float
-    imbalance_after: float
-    seconds: float  # this rank's time moving weights, over all the rebalance's step boundaries
+from dpserve.messages import Rebalance
 
 
 def align(old: list[int], new: list[int], ranks: int) -> list[int]:

@@ -293,16 +293,6 @@ class MoE(nn.Module):
         return self._routed(x, torch.ones_like(ids, dtype=torch.float32)[:, None], ids[:, None])
 
 
-def expert_rows(moes: list[MoE], slot_rows: torch.Tensor) -> torch.Tensor:
-    """Rows per logical expert ([layers, experts]) from rows per slot ([layers, slots]) under the
-    layers' placements now (a replica's rows added to its expert's)."""
-    if moes[0].phy_to_log is None:
-        return slot_rows
-    table = torch.stack([m.phy_to_log for m in moes]).to(slot_rows.device)
-    out = slot_rows.new_zeros(len(moes), moes[0].gate.shape[0])
-    return out.scatter_add_(1, table, slot_rows)
-
-
 def replica_tables(experts_of: list[int], experts: int, width: int) -> tuple[list[int], list[list[int]]]:
     """Each expert's replica count and its slots in slot order, padded to at least `width` with its
     first slot (a table lookup per row and choice picks one)."""

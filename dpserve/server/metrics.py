@@ -224,7 +224,7 @@ class ServerMetrics:
         )
 
     def observe_rebalance(self, dp_rank: int, rebalance) -> None:
-        """Records one rebalance (an eplb.rebalance.Rebalance) a group leader reported."""
+        """Records one rebalance (a messages.Rebalance) a group leader reported."""
         g = str(dp_rank)
         self.eplb_rebalances.labels(g).inc()
         self.eplb_bytes_moved.labels(g).inc(rebalance.bytes_moved)

@@ -13,23 +13,20 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
-from dataclasses import dataclass, replace
 
 import torch
 import zmq
 
 from dpserve.config import EngineConfig
-from dpserve.disagg.bootstrap import DecodeLink, local_host
-from dpserve.disagg.transfer import KVTransfer, PoolDescriptor, reslice
+from dpserve.disagg.bootstrap import DecodeLink
+from dpserve.disagg.kv_sender import KVSender
 from dpserve.distributed import Groups, init_groups
-from dpserve.eplb.rebalance import Rebalance, Rebalancer
+from dpserve.eplb.load import LoadCounter
+from dpserve.eplb.rebalance import Rebalancer
 from dpserve.grammar import GrammarCache
-from dpserve.layers.mlp import expert_rows
 from dpserve.memory import RANK_FIGURES
 from dpserve.messages import (
     AbortRequest,
-    Destination,
     ExpertLoad,
     FirstToken,
     FlushCache,
@@ -38,9 +35,10 @@ from dpserve.messages import (
     KVDestination,
     PrefillFailed,
     Ready,
+    Rebalance,
     RequestOutput,
     Shutdown,
-    StepLog,
+    StepRecords,
     StepReport,
     TokenOut,
     Wake,
@@ -50,8 +48,9 @@ from dpserve.scheduler.request import GenerateRequest
 from dpserve.scheduler.scheduled import ScheduledStep
 from dpserve.scheduler.scheduler import Scheduler
 from dpserve.step.exchange import exchange, share
+from dpserve.step.log import StepLog, StepRecord
 from dpserve.step.padding import calibrate
-from dpserve.step.records import MODES, GroupBatch, KVSend, StepLayout
+from dpserve.step.records import MODES, GroupBatch, StepLayout
 from dpserve.worker.channels import Heartbeat, WorkerAddresses
 from dpserve.worker.drafter import NextNDrafter
 from dpserve.worker.model_runner import ModelRunner
@@ -64,31 +63,8 @@ from dpserve.worker.sampling_batch import sampling_inputs
 IDLE_WAIT_MS = 500
 # The idle wait while a queued request's grammar compiles, or a decode request's KV is awaited.
 GRAMMAR_POLL_MS = 2
-STEP_LOG_LEN = 100_000
 
 logger = logging.getLogger("dpserve.worker")
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """One forward step as a group leader saw it (the accounting behind benchmarks)."""
-
-    kind: str  # the largest mode over the groups: extend, verify (speculative drafts), decode
-    local_mode: str  # this group's mode: extend, decode or idle
-    padding_mode: str  # sum_len or max_len
-    tokens: tuple[int, ...]  # real tokens of every DP group
-    mlp_rows: int  # rows the MoE/MLP processed (real + padding)
-    seconds: float  # the whole step: scheduling, inputs, forward, sampling
-    real_rows: int  # real tokens of all groups (the MoE rows without padding)
-    padded: bool  # padded to a decode bucket (a CUDA graph replay on GPU); False: unpadded, eager
-    retractions: int = 0  # requests this group retracted to make room for the step
-    slots_written: int = 0  # request-to-slot table entries this group wrote (host work of the step)
-    forward_seconds: float = 0.0  # the model's share of `seconds` (without drafting); the rest is host work
-    draft_seconds: float = 0.0  # NEXTN: the MTP forwards after the step (part of `seconds`)
-    expert_imbalance: float = 1.0  # MoE rows of the busiest rank over the mean rank's (1: balanced)
-    comm_bytes: int = 0  # bytes the leader sent in the step's forward (collectives; NEXTN's drafts not)
-    logit_rows: tuple[int, ...] = ()  # rows sampled by every DP group (what the LM head moves)
-    rebalance: Rebalance | None = None  # --enable-eplb: the rebalance that ended after this step
 
 
 class Worker:
@@ -118,20 +94,22 @@ class Worker:
             runner.policy.cost = calibrate(runner.idle_step, topo, device, self.groups.world_cpu)
         self.drafter = self._drafter(cfg, model_cfg)
         self.out, self.scheduler, self.requests = out, None, None
-        self.transfer, self.link, self.nextn = None, None, cfg.nextn
-        self.kv_heads = 1 if model_cfg.is_mla else model_cfg.num_kv_heads  # MLA: one latent, every rank
+        self.sender, self.link = None, None
         if cfg.disaggregation_mode != "null":
-            self._start_transfer(cfg)
+            kv_heads = 1 if model_cfg.is_mla else model_cfg.num_kv_heads  # MLA: one latent, every rank
+            self.sender = KVSender(
+                runner.pool, self.groups, runner.window_layers, runner.window, kv_heads, cfg.nextn
+            )
+            if topo.is_group_leader and cfg.disaggregation_mode == "decode":
+                self.link = DecodeLink(cfg.disaggregation_timeout)
         if topo.is_group_leader:
             self.scheduler = self._scheduler(cfg, model_cfg, device)
             self.requests = ctx.socket(zmq.PULL)
             self.requests.connect(addrs.requests[self.dp_rank])
         self.step_counts = {"steps_eager": 0, "steps_padded": 0}
-        self.step_log: deque[StepRecord] = deque(maxlen=STEP_LOG_LEN)
+        self.step_log = StepLog()
         moes = runner.model.moe_layers
-        # Rows per logical expert of every MoE layer since the front end last asked ([layers, experts]).
-        experts = moes[0].gate.shape[0] if moes else 0
-        self.expert_load = torch.zeros(len(moes), experts, dtype=torch.long, device=device)  # read when asked
+        self.expert_load = LoadCounter(moes, device)
         self.eplb = None
         if cfg.enable_eplb and moes:
             self.eplb = Rebalancer(
@@ -141,7 +119,6 @@ class Worker:
                 cfg.nnodes,
                 model_cfg.expert_groups,
             )
-        self._pending: tuple[StepRecord, torch.Tensor, torch.cuda.Event | None] | None = None
         self.report = ReportBuilder(self.dp_rank)
         figures = {k: getattr(runner, k) for k in RANK_FIGURES}
         out.send_pyobj(Ready(rank, self.dp_rank, figures, self._stats()))
@@ -191,26 +168,6 @@ class Worker:
             grammars=grammars,
         )
 
-    def _start_transfer(self, cfg: EngineConfig) -> None:
-        """Prefill-decode disaggregation: every rank's pool is registered with the transfer engine;
-        a decode leader hands its group's descriptors to the prefill side with each request's slots."""
-        topo = self.groups.topo
-        self.transfer = KVTransfer(local_host())
-        local = self.transfer.register(self.runner.pool).to_json()
-        # The pool's buffers, layer by layer: window layers' rows go to window slots (hybrid pool),
-        # the others' to full slots.
-        per_layer = len(self.runner.pool.buffers(0))
-        layer_of = [i // per_layer for i in range(len(self.transfer.local.buffers))]
-        windowed = self.runner.window_layers
-        self.full_buffers = [i for i, layer in enumerate(layer_of) if layer not in windowed]
-        self.window_buffers = [i for i, layer in enumerate(layer_of) if layer in windowed]
-        self.group_pools = [local]
-        if self.groups.attn_tp_cpu is not None:
-            self.group_pools = [None] * topo.attn_tp_size
-            torch.distributed.all_gather_object(self.group_pools, local, group=self.groups.attn_tp_cpu)
-        if topo.is_group_leader and cfg.disaggregation_mode == "decode":
-            self.link = DecodeLink(cfg.disaggregation_timeout)
-
     def serve(self) -> None:
         idle, shutdown = True, False
         while True:
@@ -236,7 +193,7 @@ class Worker:
                     self.report.add([], step.failed)
             batch: GroupBatch = share(batch, self.groups)  # 2. the group shares it
             if batch.sends:  # prefill: finished prompts' KV to their decode groups
-                errors = self._write_kv(batch.sends)
+                errors = self.sender.write(batch.sends, self.runner.device)
                 if self.scheduler is not None:
                     self.report.add([], self.scheduler.sent(step, errors))
             sizes = exchange(batch.sizes(self.runner.policy.can_pad(batch)), self.groups)  # 3. all agree
@@ -255,8 +212,8 @@ class Worker:
             self.scheduler.grammars.close()
         if self.link is not None:
             self.link.close()
-        if self.transfer is not None:
-            self.transfer.close()
+        if self.sender is not None:
+            self.sender.close()
         if self.groups.world is not None:
             torch.distributed.destroy_process_group()
 
@@ -281,54 +238,8 @@ class Worker:
     def _ask_prefill(self, step: ScheduledStep) -> None:
         """Decode leader: where the requests admitted in `step` want their KV."""
         for req in step.reserved:
-            window_slots = self.scheduler.window_slots(req)  # hybrid pool: those of the prompt's last W - 1
-            dest = Destination(
-                req.slots, self.group_pools, self.kv_heads, self.nextn, self.runner.window, window_slots
-            )
+            dest = self.sender.destination(req.slots, self.scheduler.window_slots(req))
             self.link.request(req.rid, req.bootstrap, dest)
-
-    def _write_kv(self, sends: list[KVSend]) -> list[str | None]:
-        """Prefill, every rank of the group: writes its share of each request's KV into the decode
-        ranks that hold those heads (`reslice`: MLA's latent, held by every rank, to decode rank k
-        from prefill rank k mod A); returns each send's error (None: written), as the group saw it."""
-        topo = self.groups.topo
-        a, j = topo.attn_tp_size, topo.attn_tp_rank
-        if self.runner.device.type == "cuda":
-            torch.cuda.synchronize(self.runner.device)  # the prompts' KV is written by earlier steps
-        errors: list[str | None] = []
-        for send in sends:
-            dest = send.dest
-            try:
-                if dest.kv_heads != self.kv_heads:
-                    raise ValueError(
-                        f"the decode instance's model has {dest.kv_heads} KV head(s), this one {self.kv_heads}"
-                    )
-                if dest.window != self.runner.window:
-                    raise ValueError(
-                        f"sliding-window layers keep a hybrid pool with a {dest.window}-token window "
-                        f"on the decode instance, {self.runner.window} here (0: none): start both with or "
-                        "without --disable-hybrid-swa-memory"
-                    )
-                if dest.nextn != self.nextn:
-                    on = "the decode instance" if dest.nextn else "this prefill instance"
-                    raise ValueError(
-                        f"{on} alone runs --speculative-algorithm NEXTN: run it on both (the prefill "
-                        "side sends the MTP layer's KV and first drafts) or on neither"
-                    )
-                parts = [(self.full_buffers, send.slots, dest.slots)]
-                if self.window_buffers:
-                    parts.append((self.window_buffers, send.window, dest.window_slots))
-                for k, heads in reslice(a, len(dest.ranks), self.kv_heads)[j]:
-                    self.transfer.write(PoolDescriptor.from_json(dest.ranks[k]), parts, heads)
-                errors.append(None)
-            except (RuntimeError, ValueError, KeyError, TypeError) as e:
-                logger.error("writing a request's KV failed: %s", e)
-                errors.append(str(e))
-        if self.groups.attn_tp_cpu is not None:
-            seen: list = [None] * a
-            torch.distributed.all_gather_object(seen, errors, group=self.groups.attn_tp_cpu)
-            errors = [next((e for e in column if e is not None), None) for column in zip(*seen, strict=True)]
-        return errors
 
     def _finish_step(
         self,
@@ -351,7 +262,7 @@ class Worker:
                 s.set_drafts(step, drafts)
         load = self.runner.take_expert_load()  # on the device; every rank: a collective under all_to_all
         # Rows per logical expert, read before a rebalance changes the slots.
-        rows = None if load is None else expert_rows(self.runner.model.moe_layers, load)
+        rows = None if load is None else self.expert_load.expert_rows(load)
         rebalance = None
         if self.eplb is not None:  # every rank, at the same step boundary
             rebalance = self.eplb.step(rows)
@@ -377,12 +288,11 @@ class Worker:
             logit_rows=layout.logit_rows,
             rebalance=rebalance,
         )
-        self._log_pending()
-        if load is None:
-            self.step_log.append(record)
-        else:
-            self.expert_load += rows  # the leader's, for get_expert_load
-            self._pending = (record, *self._imbalance(load))
+        imbalance = None
+        if load is not None:
+            self.expert_load.add(rows)  # the leader's, for GetExpertLoad
+            imbalance = self.expert_load.imbalance(load)
+        self._imbalance_logged(self.step_log.append(record, imbalance))
 
     def _sample(self, step: ScheduledStep, logits: torch.Tensor) -> tuple:
         """The leader's samples of the step's logits rows (none when no request samples)."""
@@ -405,31 +315,10 @@ class Worker:
         self.report.rebalances.append(rebalance)
         self.report.changed = True
 
-    def _imbalance(self, load: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        """The step's MoE rows of the busiest EP rank over the mean rank's, its copy to the host
-        queued (read a step later, after the next sampling sync: reading it now would be a second
-        sync per step, waiting for the drafts), and the event that says the copy is done (GPU)."""
-        ep = self.runner.model.moe_layers[0].ep_ranks
-        per_rank = load.view(load.shape[0], ep, -1).sum((0, 2)).float()
-        imbalance = torch.where(per_rank.sum() > 0, per_rank.max() / per_rank.mean(), 1.0)
-        host = imbalance.to("cpu", non_blocking=True)
-        done = None
-        if imbalance.is_cuda:  # recorded after the copy: its completion says the host value is there
-            done = torch.cuda.Event()
-            done.record()
-        return host, done
-
-    def _log_pending(self) -> None:
-        """Logs the last MoE step with its expert imbalance, whose copy to the host was queued then."""
-        if self._pending is None:
-            return
-        record, imbalance, done = self._pending
-        if done is not None:
-            done.synchronize()  # done long ago, unless the step log is asked right after its step
-        record = replace(record, expert_imbalance=float(imbalance))
-        self.report.expert_imbalance.append(record.expert_imbalance)
-        self.step_log.append(record)
-        self._pending = None
+    def _imbalance_logged(self, imbalance: float | None) -> None:
+        """The expert imbalance of a MoE step its log record just completed, for /metrics."""
+        if imbalance is not None:
+            self.report.expert_imbalance.append(imbalance)
 
     def _stats(self) -> dict:
         return {**self.scheduler.stats(), **self.step_counts} if self.scheduler else {}
@@ -452,12 +341,10 @@ class Worker:
                 case Wake():  # another group has work: join its steps
                     pass
                 case GetExpertLoad():
-                    self.out.send_pyobj(ExpertLoad(self.dp_rank, self.expert_load.cpu()))
-                    self.expert_load.zero_()
+                    self.out.send_pyobj(ExpertLoad(self.dp_rank, self.expert_load.take()))
                 case GetStepLog():
-                    self._log_pending()
-                    self.out.send_pyobj(StepLog(self.dp_rank, list(self.step_log)))
-                    self.step_log.clear()
+                    self._imbalance_logged(self.step_log.complete())
+                    self.out.send_pyobj(StepRecords(self.dp_rank, self.step_log.take()))
                 case FlushCache():
                     self.scheduler.flush_cache()
                 case Shutdown():
