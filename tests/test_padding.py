@@ -176,18 +176,18 @@ def linear_cost(sum_len_per_row: float, max_len_per_row: float) -> CostModel:
 def test_policy_choices():
     auto = policy("auto", 4, 4, cost=linear_cost(1.0, 4.0))  # MoE-bound: max_len pays 4 rows per M
     one = auto.layout([1, 0, 0, 0], [1, 0, 0, 0], can_pad=True)
-    assert (one.mode, one.bucket, one.mlp_rows, one.local_rows) == ("sum_len", 1, 1, 1)
+    assert (one.padding_mode, one.bucket, one.mlp_rows, one.local_rows) == ("sum_len", 1, 1, 1)
     # Balanced 8 x 4 = 32 > 8: sum_len has no graph, max_len's bucket(8) = 8 does.
     full = auto.layout([8, 8, 8, 8], [8] * 4, can_pad=True)
-    assert (full.mode, full.bucket, full.mlp_rows, full.padded) == ("max_len", 8, 32, True)
+    assert (full.padding_mode, full.bucket, full.mlp_rows, full.padded) == ("max_len", 8, 32, True)
     # Past every bucket, or a prefill in some group: eager, the cheaper mode at the real sizes.
     eager = auto.layout([9, 1, 0, 0], [1, 1, 0, 0], can_pad=True)
-    assert (eager.mode, eager.bucket, eager.padded, eager.mlp_rows) == ("sum_len", None, False, 10)
+    assert (eager.padding_mode, eager.bucket, eager.padded, eager.mlp_rows) == ("sum_len", None, False, 10)
     prefill = auto.layout([1, 1, 1, 1], [1] * 4, can_pad=False)
-    assert (prefill.mode, prefill.padded, prefill.mlp_rows) == ("sum_len", False, 4)
+    assert (prefill.padding_mode, prefill.padded, prefill.mlp_rows) == ("sum_len", False, 4)
     # When the all-reduce path is dear, auto takes max_len even though sum_len has a graph.
     dear_sum = policy("auto", 4, 4, cost=linear_cost(10.0, 1.0))
-    assert dear_sum.layout([1, 1, 1, 1], [1] * 4, can_pad=True).mode == "max_len"
+    assert dear_sum.layout([1, 1, 1, 1], [1] * 4, can_pad=True).padding_mode == "max_len"
     # Padded sum_len rows of group 2 land after groups 0 and 1; padding goes to the spare row.
     s = policy("sum_len", 4, 4, rank=2).layout([2, 1, 2, 0], [2, 1, 2, 0], can_pad=True)
     assert (s.bucket, s.local_rows, s.row_index("cpu").tolist()) == (8, 8, [3, 4] + [8] * 6)
@@ -203,7 +203,7 @@ def test_policy_agrees_on_every_rank():
         tokens = [rng.choice([0, 0, 1, 2, 3, 7, 12, 40]) for _ in range(4)]
         can_pad = rng.random() < 0.8
         steps = [p.layout(tokens, tokens, can_pad) for p in policies]
-        assert len({(s.mode, s.bucket, s.mlp_rows) for s in steps}) == 1
+        assert len({(s.padding_mode, s.bucket, s.mlp_rows) for s in steps}) == 1
 
 
 def test_curve_interpolates_and_extends():

@@ -100,14 +100,14 @@ def test_chunked_prefill_then_decode():
     s.add(request("a", 20))
     scheduled, _ = step(s)
     plan = scheduled.batch
-    assert plan.mode == "extend" and len(plan.reqs) == 1 and plan.reqs[0].tokens == list(range(3, 11))
+    assert plan.kind == "extend" and len(plan.reqs) == 1 and plan.reqs[0].tokens == list(range(3, 11))
     assert plan.reqs[0].sample is False and plan.reqs[0].start == 0
     step(s), step(s)  # the last chunk of "a" (4 tokens) samples its first token
     assert len(s.running[0].output_ids) == 1
     for _ in range(9):
         scheduled, finished = step(s)
         plan = scheduled.batch
-        assert plan.mode == "decode" and len(plan.reqs) == 1 and plan.reqs[0].sample
+        assert plan.kind == "decode" and len(plan.reqs) == 1 and plan.reqs[0].sample
     assert [f.finish_reason.wire() for f in finished] == [{"type": "length", "length": 10}]
     # Nothing is held once it finished; its tokens stay cached.
     assert s.stats()["kv_used"] == 0 and s.kv.tree.size == 29 == s.kv.tree.evictable
@@ -136,7 +136,7 @@ def test_prefill_budget_is_not_eaten_by_decodes():
     s.add(request("late", 6, first=100))
     scheduled, _ = step(s)
     plan = scheduled.batch
-    assert plan.mode == "extend" and plan.num_tokens == 4 + 4  # a 4-token chunk beside 4 decodes
+    assert plan.kind == "extend" and plan.num_tokens == 4 + 4  # a 4-token chunk beside 4 decodes
 
 
 def test_largest_step_is_reached_and_measured():
@@ -151,7 +151,7 @@ def test_largest_step_is_reached_and_measured():
     s.add(request("late", 6, first=100))
     scheduled, _ = step(s)
     plan = scheduled.batch
-    assert plan.mode == "extend" and plan.num_tokens == 4 + 3 * (1 + 2) > s.chunk_size
+    assert plan.kind == "extend" and plan.num_tokens == 4 + 3 * (1 + 2) > s.chunk_size
     assert largest_step(4, 4, 2, 100) == ([4], 3) and largest_step(10, 4, 2, 4) == ([4, 4], 2)
     cfg = SimpleNamespace(chunk_per_group=4, running_per_group=4, num_drafts=2)
     measured = peak_step(cfg, 100)

@@ -25,7 +25,7 @@ from dpserve.engine.worker_pool import free_port
 from dpserve.layers import mlp
 from dpserve.models.config import ModelConfig
 from dpserve.step.exchange import exchange
-from dpserve.step.records import BatchReq, GroupBatch
+from dpserve.step.records import BatchKind, BatchReq, GroupBatch
 from dpserve.worker.model_runner import ModelRunner
 
 # Ops whose result the host must see before the next op can be issued (or that copy host data).
@@ -115,7 +115,7 @@ def _batch(dp_rank: int, kind: str, idle_group: int | None) -> GroupBatch:
     if dp_rank == idle_group:
         return GroupBatch()
     n = 3 if kind == "verify" else 1
-    batch, used = GroupBatch(kind), 1
+    batch, used = GroupBatch(BatchKind(kind)), 1
     for row, start in enumerate((5, 17, 2), start=1):
         slots = list(range(used, used + n))
         batch.reqs.append(BatchReq(row, start, [7] * n, slots, sample=True, verify=kind == "verify"))
@@ -129,7 +129,7 @@ def _check_runner(cfg: EngineConfig, rank: int, groups) -> list[str]:
     runner = ModelRunner(cfg, model_cfg, groups, torch.device("cpu"))
     found = []
     for mode in ("sum_len", "max_len"):
-        runner.policy.mode = mode
+        runner.policy.dp_padding_mode = mode
         for kind in ("decode", "verify"):
             # 1: the second group idles (its empty batch is the same in decode and verify steps)
             idles = (None, 1) if groups.topo.dp_size > 1 and kind == "decode" else (None,)
@@ -137,7 +137,7 @@ def _check_runner(cfg: EngineConfig, rank: int, groups) -> list[str]:
                 batch = _batch(groups.topo.dp_rank, kind, idle_group)
                 sizes = exchange(batch.sizes(runner.policy.can_pad(batch)), groups)
                 layout = runner.policy.step_layout(sizes)
-                assert layout.padded and layout.mode == mode, layout
+                assert layout.padded and layout.padding_mode == mode, layout
                 inputs = runner._inputs(batch, layout)  # host work, before a graph's replay
                 try:
                     with forbid_host_syncs():

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from dpserve.distributed import Groups, all_gather, all_reduce, all_to_all, reduce_scatter
-from dpserve.step.records import StepLayout, round_up
+from dpserve.step.records import PaddingMode, StepLayout, round_up
 
 
 class DPComm:
@@ -43,7 +43,7 @@ class DPComm:
         `layout.row_index()`.
         """
         hidden = attn_partial + residual if self.is_leader else attn_partial
-        if layout.mode == "sum_len":
+        if layout.padding_mode == PaddingMode.SUM_LEN:
             rows = layout.mlp_rows
             buf = hidden.new_zeros((rows + 1, hidden.shape[1]))
             buf.index_copy_(0, row_index, hidden)
@@ -63,7 +63,7 @@ class DPComm:
         row_index: torch.Tensor,
     ) -> torch.Tensor:
         """Reduces the MLP partial sums over WORLD, adds the residual, returns this rank's local rows."""
-        if layout.mode == "sum_len":
+        if layout.padding_mode == PaddingMode.SUM_LEN:
             all_reduce(mlp_partial, self.groups.world)
             return F.pad(mlp_partial, (0, 0, 0, 1)).index_select(0, row_index) + kept_residual
         chunk = reduce_scatter(mlp_partial, self.groups.world) + kept_residual

@@ -65,7 +65,7 @@ def forward_collectives(
     for layer in model.layers:
         mlp = layer.mlp
         if not mlp.on_own_rows:
-            if layout.mode == "sum_len":
+            if layout.padding_mode == "sum_len":
                 rows = layout.mlp_rows
                 add("all_reduce", "world", (rows + 1) * row)
                 add("all_reduce", "world", rows * row)

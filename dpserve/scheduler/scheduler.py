@@ -46,7 +46,7 @@ from dpserve.scheduler.request import GenerateRequest, Req, check_request, max_k
 from dpserve.scheduler.scheduled import ScheduledStep
 from dpserve.scheduler.token_counts import TokenCounts
 from dpserve.speculative.ngram import propose_ngram
-from dpserve.step.records import BatchReq, DraftReq, KVSend
+from dpserve.step.records import BatchKind, BatchReq, DraftReq, KVSend
 
 logger = logging.getLogger(__name__)
 
@@ -265,9 +265,9 @@ class Scheduler:
         step.sends = [rid for rid in self.sending if rid in self.destinations]
         batch.sends = [self._send(self.sending[rid][0]) for rid in step.sends]
         if step.prefilled:
-            batch.mode = "extend"
+            batch.kind = BatchKind.EXTEND
         elif decoding:
-            batch.mode = "verify" if any(r.verify for r in batch.reqs) else "decode"
+            batch.kind = BatchKind.VERIFY if any(r.verify for r in batch.reqs) else BatchKind.DECODE
         if step.retractions:
             self.new_token_ratio = min(
                 1.0, max(INIT_NEW_TOKEN_RATIO, self.new_token_ratio + NEW_TOKEN_RATIO_STEP_UP)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from dpserve.messages import Rebalance
+from dpserve.step.records import BatchKind, PaddingMode
 
 STEP_LOG_LEN = 100_000
 
@@ -17,9 +18,9 @@ STEP_LOG_LEN = 100_000
 class StepRecord:
     """One forward step as a group leader saw it."""
 
-    kind: str  # the largest mode over the groups: extend, verify (speculative drafts), decode
-    local_mode: str  # this group's mode: extend, decode or idle
-    padding_mode: str  # sum_len or max_len
+    kind: BatchKind  # the largest over the groups
+    local_mode: BatchKind  # this group's kind (the step log's field name since its first release)
+    padding_mode: PaddingMode
     tokens: tuple[int, ...]  # real tokens of every DP group
     mlp_rows: int  # rows the MoE/MLP processed (real + padding)
     seconds: float  # the whole step: scheduling, inputs, forward, sampling

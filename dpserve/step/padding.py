@@ -27,7 +27,7 @@ import torch
 from tqdm import tqdm
 
 from dpserve.distributed import Topology, broadcast_object
-from dpserve.step.records import GroupBatch, GroupSizes, StepLayout, round_up
+from dpserve.step.records import BatchKind, GroupBatch, GroupSizes, PaddingMode, StepLayout, round_up
 
 logger = logging.getLogger(__name__)
 
@@ -78,10 +78,10 @@ def calibrate(
     """
     a, dp = topo.attn_tp_size, topo.dp_size
     sizes = {
-        "sum_len": sorted(set(CALIBRATION_SIZES)),
-        "max_len": sorted({round_up(r, a) for r in CALIBRATION_SIZES}),
+        PaddingMode.SUM_LEN: sorted(set(CALIBRATION_SIZES)),
+        PaddingMode.MAX_LEN: sorted({round_up(r, a) for r in CALIBRATION_SIZES}),
     }
-    seconds: dict[str, list[float]] = {m: [] for m in sizes}
+    seconds: dict[PaddingMode, list[float]] = {m: [] for m in sizes}
 
     def timed(run: Callable[[], object]) -> float:
         if device.type == "cuda":
@@ -126,33 +126,34 @@ def _bucket(buckets: list[int], n: int) -> int | None:
 
 
 class PaddingPolicy:
-    """Turns every group's sizes into the step's StepLayout: mode, and bucket or unpadded."""
+    """Turns every group's sizes into the step's StepLayout: padding mode, and bucket or unpadded."""
 
-    def __init__(self, mode: str, buckets: list[int], topo: Topology, max_kv_len: int):
-        self.mode, self.dp_rank, self.attn_tp_size = mode, topo.dp_rank, topo.attn_tp_size
+    def __init__(self, dp_padding_mode: str, buckets: list[int], topo: Topology, max_kv_len: int):
+        self.dp_padding_mode = dp_padding_mode  # --dp-padding-mode: a PaddingMode, or auto (per step)
+        self.dp_rank, self.attn_tp_size = topo.dp_rank, topo.attn_tp_size
         self.dp_size = topo.dp_size
         self.max_kv_len = max_kv_len  # longest request a padded step (a captured graph) can attend to
         self.cost: CostModel | None = None  # auto with several DP groups: set by calibrate()
         a = topo.attn_tp_size
         # sum_len's buckets count global rows; max_len's count rows per group, a multiple of A.
         self.buckets = {
-            "sum_len": sorted(buckets),
-            "max_len": sorted({round_up(b, a) for b in buckets}),
+            PaddingMode.SUM_LEN: sorted(buckets),
+            PaddingMode.MAX_LEN: sorted({round_up(b, a) for b in buckets}),
         }
 
     def can_pad(self, batch: GroupBatch) -> bool:
         """Whether a group's batch can take a decode bucket: decode, verify (one row per token) or
         idle, every request's KV short enough for a padded step."""
-        if batch.mode == "extend" or not self.buckets["sum_len"]:
+        if batch.kind == BatchKind.EXTEND or not self.buckets[PaddingMode.SUM_LEN]:
             return False
         return all(r.seq_len <= self.max_kv_len for r in batch.reqs)
 
     def padded_layouts(self) -> list[StepLayout]:
         """Every padded layout a step can take (one CUDA graph each), largest first, with no real rows."""
-        if self.mode != "auto":
-            modes = (self.mode,)
+        if self.dp_padding_mode != "auto":
+            modes = (PaddingMode(self.dp_padding_mode),)
         else:
-            modes = ("sum_len", "max_len") if self.dp_size > 1 else ("sum_len",)
+            modes = tuple(PaddingMode) if self.dp_size > 1 else (PaddingMode.SUM_LEN,)
         zeros = (0,) * self.dp_size
         layouts = [
             StepLayout(m, zeros, zeros, self.dp_rank, self.attn_tp_size, b)
@@ -164,22 +165,23 @@ class PaddingPolicy:
     def step_layout(self, sizes: list[GroupSizes]) -> StepLayout:
         """The main step's layout: padded when every group can pad."""
         return self.layout(
-            [s.tokens for s in sizes], [s.samples for s in sizes], all(s.can_pad for s in sizes)
+            [s.tokens for s in sizes], [s.logit_rows for s in sizes], all(s.can_pad for s in sizes)
         )
 
     def layout(self, tokens: list[int], logit_rows: list[int], can_pad: bool) -> StepLayout:
         """`can_pad`: every group's batch fits a bucket (decode or idle, short enough)."""
         a = self.attn_tp_size
-        sizes = {"sum_len": sum(tokens), "max_len": max(tokens)}
+        sum_len, max_len = PaddingMode.SUM_LEN, PaddingMode.MAX_LEN
+        sizes = {sum_len: sum(tokens), max_len: max(tokens)}
         buckets = {m: _bucket(self.buckets[m], n) if can_pad else None for m, n in sizes.items()}
-        mode = self.mode
-        if mode == "auto":
-            if self.cost is None:  # one DP group: both modes are the same but for rounding
-                mode = "sum_len"
-            elif buckets["sum_len"] is None and buckets["max_len"] is not None:
-                mode = "max_len"  # the sum outgrew the largest bucket; the largest group did not
-            else:
-                rows = buckets["sum_len"] or sizes["sum_len"]
-                m = buckets["max_len"] or round_up(sizes["max_len"], a)
-                mode = "sum_len" if self.cost.sum_len(rows) <= self.cost.max_len(m) else "max_len"
+        if self.dp_padding_mode != "auto":
+            mode = PaddingMode(self.dp_padding_mode)
+        elif self.cost is None:  # one DP group: both modes are the same but for rounding
+            mode = sum_len
+        elif buckets[sum_len] is None and buckets[max_len] is not None:
+            mode = max_len  # the sum outgrew the largest bucket; the largest group did not
+        else:
+            rows = buckets[sum_len] or sizes[sum_len]
+            m = buckets[max_len] or round_up(sizes[max_len], a)
+            mode = sum_len if self.cost.sum_len(rows) <= self.cost.max_len(m) else max_len
         return StepLayout(mode, tuple(tokens), tuple(logit_rows), self.dp_rank, a, buckets[mode])

@@ -12,12 +12,35 @@ NEXTN's draft forwards after a step use the same pattern with `DraftBatch` and `
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from enum import StrEnum
 
 import torch
 
 from dpserve.messages import Destination
 
-MODES = ("idle", "decode", "verify", "extend")  # ordered so that a step's global kind is the largest
+
+class BatchKind(StrEnum):
+    """What a group's batch does; ordered, so that a step's kind over all groups is the largest."""
+
+    IDLE = "idle"
+    DECODE = "decode"
+    VERIFY = "verify"  # decode with speculative drafts: logits for every token
+    EXTEND = "extend"  # some request prefills
+
+    @property
+    def order(self) -> int:
+        return list(BatchKind).index(self)
+
+    @classmethod
+    def largest(cls, orders: list[int]) -> BatchKind:
+        return list(cls)[max(orders)]
+
+
+class PaddingMode(StrEnum):
+    """How the DP groups' rows sit in the gathered buffer (SGLang's DP padding modes)."""
+
+    SUM_LEN = "sum_len"  # one after another: the buffer holds the sum of the groups' rows
+    MAX_LEN = "max_len"  # each group's rows padded to the largest group's: dp x max rows
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -62,7 +85,7 @@ class KVSend:
 
 @dataclass
 class GroupBatch:
-    mode: str = "idle"  # "extend" (some request prefills), "verify" (decode with drafts), "decode", "idle"
+    kind: BatchKind = BatchKind.IDLE
     reqs: list[BatchReq] = field(default_factory=list)
     shutdown: bool = False
     sends: list[KVSend] = field(default_factory=list)  # written by every rank of the group before the forward
@@ -76,9 +99,7 @@ class GroupBatch:
         return sum(r.logit_rows for r in self.reqs)
 
     def sizes(self, can_pad: bool) -> GroupSizes:
-        return GroupSizes(
-            self.num_tokens, self.num_logit_rows, MODES.index(self.mode), self.shutdown, can_pad
-        )
+        return GroupSizes(self.num_tokens, self.num_logit_rows, self.kind.order, self.shutdown, can_pad)
 
 
 class IntRecord:
@@ -108,8 +129,8 @@ class GroupSizes(IntRecord):
     """One DP group's figures for a step."""
 
     tokens: int  # new tokens of the group (its rows before padding)
-    samples: int  # rows that need logits (a verify step: every token of a request with drafts)
-    mode: int  # index into MODES
+    logit_rows: int  # rows that need logits (a verify step: every token of a request with drafts)
+    kind: int  # its BatchKind's order
     shutdown: bool
     can_pad: bool  # the group's batch fits a padded decode bucket (a CUDA graph on the GPU)
 
@@ -167,7 +188,7 @@ class DraftSizes(IntRecord):
 class StepLayout:
     """Layout of one forward over the DP groups; identical on every rank."""
 
-    mode: str  # "sum_len" or "max_len"
+    padding_mode: PaddingMode
     tokens: tuple[int, ...]  # n_g for each DP group
     logit_rows: tuple[int, ...]  # rows to sample for each DP group
     dp_rank: int
@@ -199,7 +220,7 @@ class StepLayout:
     @property
     def mlp_rows(self) -> int:
         """Rows the MoE/MLP processes on every rank in this step (the gathered buffer)."""
-        if self.mode == "sum_len":
+        if self.padding_mode == PaddingMode.SUM_LEN:
             return self.bucket or self.total_tokens
         return len(self.tokens) * self.padded_len
 
@@ -208,12 +229,12 @@ class StepLayout:
         """Rows of this rank's batch: its group's tokens, padded up in a padded step."""
         if not self.padded:
             return self.local_tokens
-        return self.bucket if self.mode == "sum_len" else self.padded_len
+        return self.bucket if self.padding_mode == PaddingMode.SUM_LEN else self.padded_len
 
     def row_index(self, device: torch.device) -> torch.Tensor:
         """sum_len: the row of the gathered buffer of each local row (padded rows: the spare row past
         its end). max_len keeps every group's rows in place and needs none."""
-        if self.mode != "sum_len":
+        if self.padding_mode != PaddingMode.SUM_LEN:
             return torch.empty(0, dtype=torch.long, device=device)
         i = torch.arange(self.local_rows, device=device)
         return torch.where(i < self.local_tokens, i + self.offset, self.mlp_rows)
@@ -228,7 +249,9 @@ class StepLayout:
             chunk = round_up(self.local_rows, self.attn_tp_size) // self.attn_tp_size
             rows = torch.arange(chunk, device=device) + own_rank * chunk
             return (rows < self.local_tokens).long()
-        if self.mode == "sum_len":  # group g's rows start at the tokens before it: rows [0, S) real
+        if (
+            self.padding_mode == PaddingMode.SUM_LEN
+        ):  # group g's rows start at the tokens before it: rows [0, S) real
             return (torch.arange(self.mlp_rows, device=device) < self.total_tokens).long()
         tokens = torch.tensor(self.tokens, device=device) if tokens is None else tokens
         return (torch.arange(self.padded_len, device=device)[None, :] < tokens[:, None]).long().flatten()

@@ -66,7 +66,7 @@ class CompiledDecode:
         self.model = model
         self.cache_dir = inductor_cache_dir()
         self.layouts = [layout for layout in layouts if layout.bucket <= max_bs]
-        self.keys = {(layout.mode, layout.bucket) for layout in self.layouts}
+        self.keys = {(layout.padding_mode, layout.bucket) for layout in self.layouts}
         # Dynamo keeps one entry per guard set of a code object; past its limit it would silently run
         # eagerly. The frames split off at graph breaks count alike.
         limit = LAYER_KINDS * len(self.layouts) + 8
@@ -82,7 +82,7 @@ class CompiledDecode:
                 module.attend = torch.compiler.disable(module.attend)
 
     def covers(self, layout: StepLayout) -> bool:
-        return (layout.mode, layout.bucket) in self.keys
+        return (layout.padding_mode, layout.bucket) in self.keys
 
     def forward_hidden(self, batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
         """The model's `forward_hidden`, its layers compiled when the batch's layout is covered."""

@@ -21,7 +21,7 @@ from dpserve.distributed import SENT
 from dpserve.kvcache.pool import KVPool
 from dpserve.models.base import CausalLM
 from dpserve.models.batch import ForwardBatch
-from dpserve.step.records import StepLayout
+from dpserve.step.records import PaddingMode, StepLayout
 
 
 class CudaGraphRunner:
@@ -75,7 +75,7 @@ class CudaGraphRunner:
             sent = SENT.total
             with torch.cuda.graph(graph, pool=mempool):
                 out = self.forward_hidden(batch, self.pool)
-            self.graphs[(layout.mode, layout.bucket)] = (graph, out, SENT.total - sent)
+            self.graphs[(layout.padding_mode, layout.bucket)] = (graph, out, SENT.total - sent)
         torch.cuda.synchronize(dev)
 
     def _static_batch(self, layout: StepLayout) -> ForwardBatch:
@@ -91,20 +91,22 @@ class CudaGraphRunner:
             attn=attn,
             logit_idx=self.input_ids[:0],
             layout=layout,
-            row_index=self.row_index[:n] if layout.mode == "sum_len" else self.row_index[:0],
+            row_index=self.row_index[:n]
+            if layout.padding_mode == PaddingMode.SUM_LEN
+            else self.row_index[:0],
             moe_rows=self.moe_rows[: len(layout.real_rows("cpu", self.own_rank))],
             window_attn=window_attn,
             out_window_slots=self.out_window_slots[:n] if window_attn is not None else None,
         )
 
     def has(self, layout: StepLayout) -> bool:
-        return (layout.mode, layout.bucket) in self.graphs
+        return (layout.padding_mode, layout.bucket) in self.graphs
 
     def replay(self, batch: ForwardBatch) -> torch.Tensor:
         """Runs a padded decode batch through its graph; returns the hidden rows (a static buffer,
         valid until the next replay)."""
         layout = batch.layout
-        graph, out, sent = self.graphs[(layout.mode, layout.bucket)]
+        graph, out, sent = self.graphs[(layout.padding_mode, layout.bucket)]
         for static, value in (
             (self.input_ids, batch.input_ids),
             (self.positions, batch.positions),

@@ -50,7 +50,7 @@ from dpserve.scheduler.scheduler import Scheduler
 from dpserve.step.exchange import exchange, share
 from dpserve.step.log import StepLog, StepRecord
 from dpserve.step.padding import calibrate
-from dpserve.step.records import MODES, GroupBatch, StepLayout
+from dpserve.step.records import BatchKind, GroupBatch, StepLayout
 from dpserve.worker.channels import Heartbeat, WorkerAddresses
 from dpserve.worker.drafter import NextNDrafter
 from dpserve.worker.model_runner import ModelRunner
@@ -203,7 +203,9 @@ class Worker:
             if not idle:
                 layout = self.runner.policy.step_layout(sizes)
                 logits = self.runner.forward(batch, layout)  # 4. the forward
-                self._finish_step(batch, step, layout, logits, MODES[max(s.mode for s in sizes)], start)
+                self._finish_step(
+                    batch, step, layout, logits, BatchKind.largest([s.kind for s in sizes]), start
+                )
             if self.scheduler is not None and (self.report.changed or batch.reqs):
                 self.out.send_pyobj(self.report.message(self._stats()))
         self.heartbeat.step_start = None
@@ -273,8 +275,8 @@ class Worker:
         self.step_counts["steps_padded" if layout.padded else "steps_eager"] += 1
         record = StepRecord(
             kind=kind,
-            local_mode=batch.mode,
-            padding_mode=layout.mode,
+            local_mode=batch.kind,
+            padding_mode=layout.padding_mode,
             tokens=layout.tokens,
             mlp_rows=layout.mlp_rows,
             seconds=time.perf_counter() - start,

@@ -33,7 +33,7 @@ from dpserve.models.loader import BlockScales, load_weights
 from dpserve.models.registry import build_model
 from dpserve.scheduler.scheduler import largest_step
 from dpserve.step.padding import PaddingPolicy
-from dpserve.step.records import BatchReq, GroupBatch, StepLayout
+from dpserve.step.records import BatchKind, BatchReq, GroupBatch, PaddingMode, StepLayout
 from dpserve.worker.compile import CompiledDecode
 from dpserve.worker.graph_runner import CudaGraphRunner
 
@@ -63,7 +63,7 @@ def peak_step(cfg: EngineConfig, context_len: int) -> GroupBatch:
     d = cfg.num_drafts
     prompts, decoding = largest_step(cfg.chunk_per_group, cfg.running_per_group, d, context_len)
     sizes = [(n, False) for n in prompts] + [(1 + d, d > 0)] * decoding
-    batch, used = GroupBatch("extend"), 1  # slot 0: the padding slot
+    batch, used = GroupBatch(BatchKind.EXTEND), 1  # slot 0: the padding slot
     for row, (n, verify) in enumerate(sizes, start=1):
         slots = list(range(used, used + n))
         batch.reqs.append(BatchReq(row, 0, [0] * n, slots, sample=True, verify=verify, window=slots))
@@ -204,7 +204,7 @@ class ModelRunner:
         )
         topo = self.topo
         layout = StepLayout(
-            "sum_len",
+            PaddingMode.SUM_LEN,
             (n,) * topo.dp_size,
             (batch.num_logit_rows,) * topo.dp_size,
             topo.dp_rank,
