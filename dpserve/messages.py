@@ -223,7 +223,7 @@ class Destination:
     ranks: list[dict]  # each decode rank's PoolDescriptor, as JSON
     kv_heads: int
     nextn: bool
-    window: int  # the hybrid pool's window (0: none)
+    window_size: int  # the hybrid pool's window (0: none)
     window_slots: list[int]
 
     def wire(self) -> dict:
@@ -232,7 +232,7 @@ class Destination:
             "ranks": self.ranks,
             "kv_heads": self.kv_heads,
             "nextn": self.nextn,
-            "window": self.window,
+            "window": self.window_size,
             "window_slots": self.window_slots,
         }
 

@@ -47,7 +47,7 @@ def step(s: Scheduler, rule=next_token):
     assert plan.num_tokens <= sum(prompts) + decoding * (1 + s.num_drafts)
     table = s.__dict__.setdefault("rank_table", {})  # row -> {position: slot}, as a rank's table
     for r in plan.reqs:
-        row = table.setdefault(r.row, {})
+        row = table.setdefault(r.table_row, {})
         row.update(enumerate(r.prefix))
         row.update(zip(range(r.start, r.seq_len), r.slots, strict=True))
         assert all(p in row for p in range(r.seq_len)), "a position the step attends has no slot"

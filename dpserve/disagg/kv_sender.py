@@ -24,11 +24,11 @@ class KVSender:
         pool: KVPool,
         groups: Groups,
         window_layers: frozenset[int],  # the hybrid pool's window layers (their rows go to window slots)
-        window: int,  # their window (0: no hybrid pool)
+        window_size: int,  # their window (0: no hybrid pool)
         kv_heads: int,  # KV heads this rank holds (MLA: 1, its latent, on every rank)
         nextn: bool,  # the pool holds the MTP layer's KV too
     ):
-        self.groups, self.window, self.kv_heads, self.nextn = groups, window, kv_heads, nextn
+        self.groups, self.window_size, self.kv_heads, self.nextn = groups, window_size, kv_heads, nextn
         self.transfer = KVTransfer(local_host())
         local = self.transfer.register(pool).to_json()
         # The pool's buffers, layer by layer: window layers' rows go to window slots, the others' to
@@ -45,7 +45,7 @@ class KVSender:
     def destination(self, slots: list[int], window_slots: list[int]) -> Destination:
         """Decode side: where a request's KV goes in this group (`window_slots`: the hybrid pool's
         slots of the prompt's last W - 1 positions)."""
-        return Destination(slots, self.group_pools, self.kv_heads, self.nextn, self.window, window_slots)
+        return Destination(slots, self.group_pools, self.kv_heads, self.nextn, self.window_size, window_slots)
 
     def write(self, sends: list[KVSend], device: torch.device) -> list[str | None]:
         """Prefill side, every rank of the group: writes its share of each request's KV into the
@@ -63,7 +63,7 @@ class KVSender:
                 self._check(dest)
                 parts = [(self.full_buffers, send.slots, dest.slots)]
                 if self.window_buffers:
-                    parts.append((self.window_buffers, send.window, dest.window_slots))
+                    parts.append((self.window_buffers, send.window_slots, dest.window_slots))
                 for k, heads in reslice(a, len(dest.ranks), self.kv_heads)[j]:
                     self.transfer.write(PoolDescriptor.from_json(dest.ranks[k]), parts, heads)
                 errors.append(None)
@@ -82,10 +82,10 @@ class KVSender:
             raise ValueError(
                 f"the decode instance's model has {dest.kv_heads} KV head(s), this one {self.kv_heads}"
             )
-        if dest.window != self.window:
+        if dest.window_size != self.window_size:
             raise ValueError(
-                f"sliding-window layers keep a hybrid pool with a {dest.window}-token window "
-                f"on the decode instance, {self.window} here (0: none): start both with or "
+                f"sliding-window layers keep a hybrid pool with a {dest.window_size}-token window "
+                f"on the decode instance, {self.window_size} here (0: none): start both with or "
                 "without --disable-hybrid-swa-memory"
             )
         if dest.nextn != self.nextn:

@@ -106,7 +106,7 @@ class Rebalancer:
         self.per_chunk = layers_per_chunk or len(moes)
         self.nodes, self.groups = nodes, groups
         self.ranks = moes[0].ep_ranks
-        self.window = torch.zeros(
+        self.load_window = torch.zeros(
             len(moes), moes[0].gate.shape[0], dtype=torch.long, device=moes[0].gate.device
         )
         self.steps = 0
@@ -117,7 +117,7 @@ class Rebalancer:
         """After each forward step, on every rank, with its rows per logical expert ([layers,
         experts]); moves a chunk of layers when a rebalance is due or under way; returns the
         rebalance its last chunk ended."""
-        self.window += load
+        self.load_window += load
         self.steps += 1
         if not self.queue and self.steps % self.every == 0:
             self._plan()
@@ -138,8 +138,8 @@ class Rebalancer:
 
     def _plan(self) -> None:
         """The new placement from the window's load (read to the host: once per rebalance)."""
-        load = self.window.to("cpu", copy=True)  # a copy even on the CPU: the window is zeroed
-        self.window.zero_()
+        load = self.load_window.to("cpu", copy=True)  # a copy even on the CPU: the load window is zeroed
+        self.load_window.zero_()
         if not load.any():
             return
         moes = self.moes

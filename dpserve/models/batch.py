@@ -37,7 +37,7 @@ class ForwardBatch:
         input_ids: list[int] | torch.Tensor,
         positions: list[int],
         out_slots: list[int] | torch.Tensor,
-        req_rows: list[int],
+        table_rows: list[int],
         q_lens: list[int],
         seq_lens: list[int],
         logit_idx: list[int],
@@ -46,7 +46,7 @@ class ForwardBatch:
         window: tuple[torch.Tensor, list[int], tuple[list[int], list[int], list[int]]] | None = None,
     ) -> ForwardBatch:
         """The batch of `layout.local_rows` rows (padding included) from per-token and per-request
-        lists (`req_rows`, `q_lens`, `seq_lens`: one entry per attention request); `own_rank`: the
+        lists (`table_rows`, `q_lens`, `seq_lens`: one entry per attention request); `own_rank`: the
         attention TP rank, when the MoE runs on each rank's own rows; `table_writes`: (rows,
         columns, slots) entries of the request-to-slot table this step writes; `window`: the hybrid
         sliding-window pool's table, out slots and table writes, alike. Every list reaches the device
@@ -56,7 +56,7 @@ class ForwardBatch:
             "input_ids": input_ids,
             "positions": positions,
             "out_slots": out_slots,
-            "req_idx": req_rows,
+            "req_idx": table_rows,
             "seq_lens": seq_lens,
             "q_start": [0, *accumulate(q_lens)],
             "logit_idx": logit_idx,

@@ -21,14 +21,14 @@ class CacheManager:
         self,
         capacity: int,
         radix_cache: bool,
-        window: int,  # the window layers' width (0: no hybrid pool)
+        window_size: int,  # the window layers' width (0: no hybrid pool)
         window_capacity: int,  # their slots
         counters: dict[str, int],  # the group's: evicted cache tokens are counted there
     ):
         self.capacity = capacity
         self.allocator = SlotAllocator(capacity)
         self.tree = RadixTree() if radix_cache else NullTree()
-        self.windows = WindowSlots(window_capacity, window) if window else NullWindows()
+        self.windows = WindowSlots(window_capacity, window_size) if window_size else NullWindows()
         # Window slots no query reads any more: the prefix cache keeps them while room lasts.
         self._let_go = self.windows.keep if radix_cache else self.windows.release
         self.counters = counters
@@ -95,11 +95,11 @@ class CacheManager:
         slots = self.alloc(n)
         pending = req.prefix_pending
         prefix = req.slots[: req.cached_len] if pending else []
-        window = self.windows.slots_of(req.slots[req.window_lo : req.cached_len] if pending else [])
-        window += self.windows.acquire(slots)
+        window_slots = self.windows.slots_of(req.slots[req.window_lo : req.cached_len] if pending else [])
+        window_slots += self.windows.acquire(slots)
         req.prefix_pending = False
         req.slots += slots
-        return prefix, slots, window
+        return prefix, slots, window_slots
 
     def window_slots(self, req: Req) -> list[int]:
         """The window slots `req` holds (of its positions from `window_lo`)."""
@@ -115,7 +115,7 @@ class CacheManager:
     def trim_windows(self, reqs: list[Req]) -> None:
         """Lets go of the window slots the next queries of the running `reqs` no longer read."""
         for req in reqs:
-            if req.row > 0:
+            if req.table_row > 0:
                 self._trim(req, self.windows.held_from(req.kv_len))
 
     def _trim(self, req: Req, upto: int) -> None:

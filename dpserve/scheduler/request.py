@@ -46,7 +46,7 @@ class Req:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per token, if asked
     # While admitted (running):
-    row: int = 0  # request-to-slot table row (0: not admitted)
+    table_row: int = 0  # its row of the request-to-slot table (0: not admitted)
     prefill_len: int = 0  # tokens to prefill since admission: prompt + what it generated before
     slots: list[int] = field(default_factory=list)  # KV slots of its first len(slots) tokens
     node: Node | None = None  # radix tree node it locks: its first `cached_len` slots belong to the tree
@@ -84,7 +84,7 @@ class Req:
 
     @property
     def prefill_done(self) -> bool:
-        return self.row > 0 and self.kv_len >= self.prefill_len
+        return self.table_row > 0 and self.kv_len >= self.prefill_len
 
     @property
     def remaining_new_tokens(self) -> int:

@@ -107,7 +107,7 @@ class Scheduler:
         num_drafts: int = 0,  # speculative tokens per decoding request and step; 0: off
         speculative_algorithm: str = "NGRAM",  # NGRAM or NEXTN (drafts handed in by `set_drafts`)
         grammars: GrammarCache | None = None,  # structured output; None: --grammar-backend none
-        window: int = 0,  # the hybrid sliding-window pool's window (0: no such pool)
+        window_size: int = 0,  # the hybrid sliding-window pool's window (0: no such pool)
         window_capacity: int = 0,  # its slots
         disaggregation: str = "null",  # prefill-decode disaggregation: this instance's role
     ):
@@ -125,14 +125,14 @@ class Scheduler:
         self.destinations: dict[str, Destination] = {}
         # Decode: slots of ended requests the prefill side may still write into.
         self.limbo: dict[str, tuple[list[int], list[int]]] = {}  # rid -> its slots, those with window slots
-        self.free_rows = list(range(max_running, 0, -1))  # row 0 is the padding row
+        self.free_table_rows = list(range(max_running, 0, -1))  # row 0 is the padding row
         self.seeds = random.Random(seed + dp_rank)  # of requests without their own
         self.token_counts = TokenCounts(vocab_size, max_running, self.device)  # for penalties
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.counters = dict.fromkeys(COUNTERS, 0)
-        self.kv = CacheManager(kv_capacity, radix_cache, window, window_capacity, self.counters)
+        self.kv = CacheManager(kv_capacity, radix_cache, window_size, window_capacity, self.counters)
 
     # --- requests in and out ---------------------------------------------------------------------
 
@@ -281,9 +281,9 @@ class Scheduler:
         drafts added."""
         req.drafts = self._propose(req, spare)
         start, tokens = req.kv_len, [req.output_ids[-1], *req.drafts]
-        prefix, slots, window = self.kv.extend(req, len(tokens))
+        prefix, slots, window_slots = self.kv.extend(req, len(tokens))
         step.batch.reqs.append(
-            BatchReq(req.row, start, tokens, slots, True, prefix, bool(req.drafts), window)
+            BatchReq(req.table_row, start, tokens, slots, True, prefix, bool(req.drafts), window_slots)
         )
         step.reqs.append(req)
         req.spec_verify_ct += self.num_drafts > 0
@@ -362,7 +362,7 @@ class Scheduler:
         if self.kv.available - others < req.prefill_len - len(cached) + self._estimate_decode(req):
             self.kv.unlock(node)
             return False
-        req.row = self.free_rows.pop()
+        req.table_row = self.free_table_rows.pop()
         self.kv.start(req, cached, node)
         if req.params.penalized:
             self.token_counts.acquire(req.rid, req.input_ids, req.output_ids)
@@ -381,10 +381,12 @@ class Scheduler:
         if n <= 0:
             return 0
         start = req.kv_len
-        prefix, slots, window = self.kv.extend(req, n)
+        prefix, slots, window_slots = self.kv.extend(req, n)
         done = start + n == req.prefill_len
         tokens = req.fill_ids[start : start + n]
-        step.batch.reqs.append(BatchReq(req.row, start, tokens, slots, done, prefix, window=window))
+        step.batch.reqs.append(
+            BatchReq(req.table_row, start, tokens, slots, done, prefix, window_slots=window_slots)
+        )
         step.reqs.append(req)
         step.prefilled.append(req)
         self.counters["prefilled_tokens"] += n
@@ -414,9 +416,9 @@ class Scheduler:
             self.limbo[req.rid] = (req.slots, req.slots[req.window_lo :])
         else:
             self.kv.release(req)
-        self.free_rows.append(req.row)
+        self.free_table_rows.append(req.table_row)
         self.token_counts.release(req.rid)
-        req.row, req.slots, req.node, req.cached_len, req.dup_slots = 0, [], None, 0, []
+        req.table_row, req.slots, req.node, req.cached_len, req.dup_slots = 0, [], None, 0, []
         req.window_lo = 0
         req.prefix_pending = False
         req.proposed = []
@@ -516,8 +518,8 @@ class Scheduler:
         for req, part in zip(step.reqs, step.batch.reqs, strict=True):
             kept = min(len(part.tokens), req.seq_len - 1 - part.start)
             next_tokens = req.fill_ids[part.start + 1 : part.start + 1 + kept]
-            draft = req.row > 0 and req.prefill_done  # running and decoding next
-            step.draft_batch.reqs.append(DraftReq(part.row, part.start, offset, next_tokens, draft))
+            draft = req.table_row > 0 and req.prefill_done  # running and decoding next
+            step.draft_batch.reqs.append(DraftReq(part.table_row, part.start, offset, next_tokens, draft))
             if draft:
                 step.drafting.append(req)
             offset += len(part.tokens)

@@ -53,16 +53,16 @@ class BatchReq:
     table: `prefix` at positions [0, start) when the request (re)starts on cached slots, then the
     new tokens' `slots` at [start, start + len(tokens))."""
 
-    row: int  # the request's row of the request-to-slot table
+    table_row: int  # the request's row of the request-to-slot table
     start: int  # tokens of the request already in the KV cache
     tokens: list[int]  # new tokens fed this step
     slots: list[int]  # KV slots the new tokens are written to
     sample: bool  # whether the next token is sampled after the last new token
     prefix: list[int] = field(default_factory=list)
     verify: bool = False  # tokens are the last token and its drafts: logits for every one of them
-    # Hybrid sliding-window pool: the window layers' slots of positions [seq_len - len(window),
+    # Hybrid sliding-window pool: the window layers' slots of positions [seq_len - len(window_slots),
     # seq_len): the new tokens' and, when it (re)starts on cached slots, the cached window before them.
-    window: list[int] = field(default_factory=list)
+    window_slots: list[int] = field(default_factory=list)
 
     @property
     def seq_len(self) -> int:
@@ -80,7 +80,7 @@ class KVSend:
 
     slots: list[int]  # the prompt's KV slots in this group's pool
     dest: Destination
-    window: list[int] = field(default_factory=list)  # hybrid pool: window slots of the prompt's last W - 1
+    window_slots: list[int] = field(default_factory=list)  # hybrid pool: those of the prompt's last W - 1
 
 
 @dataclass
@@ -141,7 +141,7 @@ class DraftReq:
     hidden state at position p with the token at p + 1, for every position the step kept (prefilled,
     or verified and accepted), so the MTP layer's KV matches the main model's."""
 
-    row: int  # the request's row of the request-to-slot table
+    table_row: int  # the request's row of the request-to-slot table
     start: int  # position of its first new token in the step
     offset: int  # index of that token among the step's rows
     next_tokens: list[int]  # the token after each kept position

@@ -75,7 +75,7 @@ class NextNDrafter:
         positions = [p for r in reqs for p in range(r.start, r.end)]
         staged = stage(
             {
-                "rows": [r.row for r in reqs for _ in r.next_tokens],
+                "rows": [r.table_row for r in reqs for _ in r.next_tokens],
                 "positions": positions,
                 "src": [r.offset + i for r in reqs for i in range(len(r.next_tokens))],
             },
@@ -87,7 +87,7 @@ class NextNDrafter:
             [t for r in reqs for t in r.next_tokens],  # the MTP layer's input: the token after each row
             positions,
             table[staged["rows"], staged["positions"]],
-            [r.row for r in reqs],
+            [r.table_row for r in reqs],
             q_lens,
             [r.end for r in reqs],
             [end - 1 for r, end in zip(reqs, ends, strict=True) if r.draft],
@@ -127,11 +127,13 @@ class NextNDrafter:
             active = [i for i, n in enumerate(chain_lens) if n >= j]
             reqs_j = [drafting[i] for i in active]
             positions = [r.end - 1 + j for r in reqs_j]
-            req_rows = [r.row for r in reqs_j]
+            table_rows = [r.table_row for r in reqs_j]
             staged = stage(
                 {
-                    "slots": [self.scratch_base + (r.row - 1) * (self.num_steps - 1) + j - 1 for r in reqs_j],
-                    "rows": req_rows,
+                    "slots": [
+                        self.scratch_base + (r.table_row - 1) * (self.num_steps - 1) + j - 1 for r in reqs_j
+                    ],
+                    "rows": table_rows,
                     "positions": positions,
                     "active": active,
                 },
@@ -150,7 +152,7 @@ class NextNDrafter:
                 drafts[idx, j - 1],
                 positions,
                 slots,
-                req_rows,
+                table_rows,
                 [1] * n,
                 seq_lens,
                 list(range(n)),

@@ -98,7 +98,7 @@ class Worker:
         if cfg.disaggregation_mode != "null":
             kv_heads = 1 if model_cfg.is_mla else model_cfg.num_kv_heads  # MLA: one latent, every rank
             self.sender = KVSender(
-                runner.pool, self.groups, runner.window_layers, runner.window, kv_heads, cfg.nextn
+                runner.pool, self.groups, runner.window_layers, runner.window_size, kv_heads, cfg.nextn
             )
             if topo.is_group_leader and cfg.disaggregation_mode == "decode":
                 self.link = DecodeLink(cfg.disaggregation_timeout)
@@ -162,7 +162,7 @@ class Worker:
             device=device,
             num_drafts=cfg.num_drafts,
             speculative_algorithm=cfg.speculative_algorithm or "NGRAM",
-            window=self.runner.window,
+            window_size=self.runner.window_size,
             window_capacity=self.runner.window_tokens,
             disaggregation=cfg.disaggregation_mode,
             grammars=grammars,

@@ -66,7 +66,7 @@ def peak_step(cfg: EngineConfig, context_len: int) -> GroupBatch:
     batch, used = GroupBatch(BatchKind.EXTEND), 1  # slot 0: the padding slot
     for row, (n, verify) in enumerate(sizes, start=1):
         slots = list(range(used, used + n))
-        batch.reqs.append(BatchReq(row, 0, [0] * n, slots, sample=True, verify=verify, window=slots))
+        batch.reqs.append(BatchReq(row, 0, [0] * n, slots, sample=True, verify=verify, window_slots=slots))
         used += n
     return batch
 
@@ -81,8 +81,8 @@ class ModelRunner:
         self._prepare_weights()
         self.kv_shapes = self.model.kv_entry_shapes()
         # The hybrid sliding-window pool: window layers keep only their windows' KV, in slots of their own.
-        self.window = 0 if cfg.disable_hybrid_swa_memory else self.model.window
-        self.window_layers = self.model.window_layers if self.window else frozenset()
+        self.window_size = 0 if cfg.disable_hybrid_swa_memory else self.model.window
+        self.window_layers = self.model.window_layers if self.window_size else frozenset()
         self.kv_bytes_per_token, self.window_bytes_per_token = pool_token_bytes(
             self.model.kv_layers, len(self.window_layers), self.kv_shapes, cfg.kv_dtype
         )
@@ -99,7 +99,7 @@ class ModelRunner:
         # A decode step whose longest request exceeds what a graph's attention reads runs unpadded.
         max_kv_len = min(model_cfg.context_len, self.model.attn_backend.graph_max_kv_len or 1 << 62)
         self.policy = PaddingPolicy(cfg.dp_padding_mode, cfg.graph_buckets, self.topo, max_kv_len)
-        self.req_to_window = torch.zeros_like(self.req_to_token) if self.window else None
+        self.req_to_window = torch.zeros_like(self.req_to_token) if self.window_size else None
         local_tokens, local_window = self._kv_capacity()
         # Every rank of the instance takes the smallest pool, so the ranks of a group hold the same.
         self.max_total_num_tokens = agree_min(local_tokens, groups.world_cpu)
@@ -143,8 +143,8 @@ class ModelRunner:
             self.kv_bytes_per_token,
             self.max_total_num_tokens * self.kv_bytes_per_token / 2**20,
             f"; its {len(self.window_layers)} sliding-window layers keep {self.window_tokens} tokens "
-            f"({self.window}-token windows)"
-            if self.window
+            f"({self.window_size}-token windows)"
+            if self.window_size
             else "",
         )
 
@@ -187,7 +187,9 @@ class ModelRunner:
             # Never more than is free now (another process may hold part of the device).
             free = torch.cuda.mem_get_info(self.device)[0]
             budget = min(budget, free - self.activation_bytes)
-        return cfg.kv_pool_sizes(budget, self.kv_bytes_per_token, self.window_bytes_per_token, self.window)
+        return cfg.kv_pool_sizes(
+            budget, self.kv_bytes_per_token, self.window_bytes_per_token, self.window_size
+        )
 
     def _measure_activation_peak(self) -> int:
         """Peak memory of a warm-up forward of the largest step the scheduler can form, in every DP
@@ -282,7 +284,7 @@ class ModelRunner:
         reqs = batch.reqs
         rows, cols, slots = [], [], []  # request-to-slot table entries written this step
         for r in reqs:
-            rows += [r.row] * (len(r.prefix) + len(r.slots))
+            rows += [r.table_row] * (len(r.prefix) + len(r.slots))
             cols += range(r.start - len(r.prefix), r.seq_len)
             slots += r.prefix + r.slots
         self.slots_written = len(slots)  # a decode step writes one per request, whatever the contexts
@@ -296,11 +298,11 @@ class ModelRunner:
             # A padded step has a decode graph's shapes: one query row per token. A verify step's
             # token at position p attends to the p + 1 keys up to its own, its drafts included (all of
             # them are in the pool before attention reads it): causal attention, row by row.
-            req_rows = [r.row for r in reqs for _ in r.tokens]
+            table_rows = [r.table_row for r in reqs for _ in r.tokens]
             q_lens, seq_lens = [1] * len(positions), [p + 1 for p in positions]
         else:
-            req_rows, q_lens, seq_lens = (
-                [r.row for r in reqs],
+            table_rows, q_lens, seq_lens = (
+                [r.table_row for r in reqs],
                 [len(r.tokens) for r in reqs],
                 [r.seq_len for r in reqs],
             )
@@ -310,7 +312,7 @@ class ModelRunner:
             [t for r in reqs for t in r.tokens] + [0] * pad,
             positions + [0] * pad,
             [s for r in reqs for s in r.slots] + [0] * pad,
-            req_rows + [0] * pad,
+            table_rows + [0] * pad,
             q_lens + [1] * pad,
             seq_lens + [1] * pad,
             logit_idx,
@@ -325,8 +327,8 @@ class ModelRunner:
             return None
         rows, cols, slots = [], [], []
         for r in reqs:
-            rows += [r.row] * len(r.window)
-            cols += range(r.seq_len - len(r.window), r.seq_len)
-            slots += r.window
-        out = [s for r in reqs for s in r.window[len(r.window) - len(r.tokens) :]] + [0] * pad
+            rows += [r.table_row] * len(r.window_slots)
+            cols += range(r.seq_len - len(r.window_slots), r.seq_len)
+            slots += r.window_slots
+        out = [s for r in reqs for s in r.window_slots[len(r.window_slots) - len(r.tokens) :]] + [0] * pad
         return self.req_to_window, out, (rows, cols, slots)
