@@ -9,7 +9,7 @@ import pytest
 
 from dpserve.kvcache.radix_cache import RadixTree
 from dpserve.sampling_params import SamplingParams
-from dpserve.scheduler.request import GenerateRequest
+from dpserve.scheduler.request import GenerateRequest, check_request
 from dpserve.scheduler.scheduled import ScheduledStep
 from dpserve.scheduler.scheduler import MAX_RETRACTIONS, Scheduler, largest_step
 from dpserve.speculative.rejection import greedy_accept
@@ -92,7 +92,7 @@ def assert_slots_consistent(s: Scheduler) -> None:
     free = s.kv.allocator.alloc(s.kv.allocator.num_free)
     s.kv.allocator.free(free)  # put back: the test goes on
     everything = held + tree + free
-    assert sorted(everything) == list(range(1, s.kv_capacity + 1))
+    assert sorted(everything) == list(range(1, s.kv.capacity + 1))
 
 
 def test_chunked_prefill_then_decode():
@@ -226,13 +226,13 @@ def test_eviction_under_pressure_keeps_cached_prefixes_right():
     assert_slots_consistent(s)
 
 
-def test_abort_releases_locks_and_rejects_what_never_fits():
+def test_abort_releases_locks_and_what_never_fits_is_refused_before_it_is_queued():
     s = make()
-    err = s.add(request("big", 45, new=10))
-    assert err.finish_reason.wire()["type"] == "abort"
-    assert "needs 55 KV tokens" in err.finish_reason.wire()["message"]
-    bad = s.add(GenerateRequest("bad", [5, 400], SamplingParams()))
-    assert bad.finish_reason.wire()["message"] == "token id 400 is outside the vocabulary [0, 300)"
+    big = request("big", 45, new=10)
+    with pytest.raises(ValueError, match="needs 55 KV tokens"):  # the front end's one check
+        check_request(big.input_ids, big.params, s.vocab_size, s.context_len, s.kv.capacity)
+    with pytest.raises(ValueError, match=r"^token id 400 is outside the vocabulary \[0, 300\)$"):
+        check_request([5, 400], SamplingParams(), s.vocab_size, s.context_len, s.kv.capacity)
     s.add(request("a", 5))
     s.add(request("w", 45, new=5))
     step(s)

@@ -65,7 +65,7 @@ class Engine:
                 self.front.check(x, p)
             except ValueError as e:
                 raise ValueError(f"request {i}: {e}") from None
-        rids = [self._submit(x, p, return_logprob) for x, p in zip(ids, params, strict=True)]
+        rids = [self._send(x, p, return_logprob) for x, p in zip(ids, params, strict=True)]
         results, error = [], None
         for i, rid in enumerate(rids):
             try:
@@ -87,15 +87,16 @@ class Engine:
         dp_rank: int | None = None,
     ) -> str:
         """Queues one request without waiting (routed as the server routes, or to `dp_rank`);
-        returns its id for `wait`."""
-        return self._submit(
-            list(input_ids), SamplingParams.from_dict(sampling_params), return_logprob, dp_rank
-        )
+        returns its id for `wait`. Raises ValueError for a request that can never run."""
+        input_ids, params = list(input_ids), SamplingParams.from_dict(sampling_params)
+        self.front.check(input_ids, params, dp_rank)
+        return self._send(input_ids, params, return_logprob, dp_rank)
 
-    def _submit(
+    def _send(
         self, input_ids: list[int], params: SamplingParams, return_logprob: bool, dp_rank: int | None = None
     ) -> str:
-        rid = self.front.submit(input_ids, params, return_logprob, dp_rank).rid
+        """Sends a request `front.check` passed."""
+        rid = self.front.send(input_ids, params, return_logprob, dp_rank).rid
         self._params[rid] = params
         return rid
 

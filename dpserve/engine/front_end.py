@@ -106,7 +106,8 @@ class FrontEnd:
         dp_rank: int | None = None,
         bootstrap: Bootstrap | None = None,
     ) -> None:
-        """Raises ValueError, naming the numbers, for a request that can never run."""
+        """Raises ValueError, naming the numbers, for a request that can never run: the one check a
+        request passes (the server's and the offline Engine's), before anything is sent."""
         m = self.model_cfg
         if dp_rank is not None:
             self.router.check_pin(dp_rank)
@@ -127,6 +128,19 @@ class FrontEnd:
         `grammar_after`: the token after which the request's grammar applies (reasoning's end);
         `bootstrap`: its other half under prefill-decode disaggregation."""
         self.check(input_ids, params, dp_rank, bootstrap)
+        return self.send(input_ids, params, return_logprob, dp_rank, grammar_after, bootstrap)
+
+    def send(
+        self,
+        input_ids: list[int],
+        params: SamplingParams,
+        return_logprob: bool = False,
+        dp_rank: int | None = None,
+        grammar_after: int | None = None,
+        bootstrap: Bootstrap | None = None,
+    ) -> RequestState:
+        """`submit` for a sequence `check` passed already: callers that check a whole batch before
+        sending any of it (the server, the offline Engine) check each request once."""
         rid = uuid.uuid4().hex
         if self.bootstrap is not None:  # prefill: the prompt and its first token, then the KV moves
             params = dataclasses.replace(

@@ -42,7 +42,7 @@ from dpserve.messages import (
     TokenOut,
 )
 from dpserve.scheduler.cache_manager import CacheManager
-from dpserve.scheduler.request import GenerateRequest, Req, check_request, max_kv_len
+from dpserve.scheduler.request import GenerateRequest, Req, max_kv_len
 from dpserve.scheduler.scheduled import ScheduledStep
 from dpserve.scheduler.token_counts import TokenCounts
 from dpserve.speculative.ngram import propose_ngram
@@ -113,7 +113,6 @@ class Scheduler:
     ):
         self.dp_rank, self.device, self.num_drafts = dp_rank, torch.device(device), num_drafts
         self.nextn = num_drafts > 0 and speculative_algorithm == "NEXTN"
-        self.kv_capacity = kv_capacity
         self.max_running, self.chunk_size = max_running, chunk_size
         self.context_len, self.vocab_size = context_len, vocab_size
         self.eos_ids = set(eos_ids)
@@ -137,12 +136,8 @@ class Scheduler:
     # --- requests in and out ---------------------------------------------------------------------
 
     def add(self, msg: GenerateRequest) -> RequestOutput | None:
-        """Queues a request; returns an error output if it can never run."""
-        try:
-            check_request(msg.input_ids, msg.params, self.vocab_size, self.context_len, self.kv_capacity)
-        except ValueError as e:
-            req = Req(msg.rid, msg.input_ids, msg.params, msg.return_logprob, 0)
-            return self._output(req, Abort(str(e)))
+        """Queues a request, which the front end checked (`request.check_request`); returns an error
+        output if it cannot run here."""
         seed = self.seeds.getrandbits(64) if msg.params.seed is None else msg.params.seed
         max_len = max_kv_len(len(msg.input_ids), msg.params, self.context_len)
         req = Req(msg.rid, msg.input_ids, msg.params, msg.return_logprob, max_len, seed)
@@ -353,7 +348,7 @@ class Scheduler:
         (`req.slots`), takes a table row."""
         if req.retractions >= MAX_RETRACTIONS and not req.protected:
             # Protected requests are never retracted, so their whole needs must fit the pool together.
-            if sum(r.max_len for r in self.running if r.protected) + req.max_len > self.kv_capacity:
+            if sum(r.max_len for r in self.running if r.protected) + req.max_len > self.kv.capacity:
                 return False  # wait for them to finish, admitting nobody else
             req.protected = True
         req.prefill_len = len(req.input_ids) + len(req.output_ids)

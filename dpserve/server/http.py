@@ -289,7 +289,7 @@ async def native_generate(tm: TokenizerManager, body: GenerateRequestBody, reque
             Submission(list(ids), params, stop, body.return_logprob, body.data_parallel_rank, bootstrap=boot)
         )
     for sub in subs:
-        tm.check(sub)
+        await tm.check(sub)
     streams = [tm.generate(s) for s in subs]
     if body.stream:
         if not single:

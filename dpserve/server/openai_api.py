@@ -49,7 +49,7 @@ class OpenAIServing:
             ],
         }
 
-    def _submissions(
+    async def _submissions(
         self,
         req: _OpenAIRequest,
         prompts: list[list[int]],
@@ -78,7 +78,7 @@ class OpenAIServing:
                     )
                 )
         for sub in subs:
-            self.tm.check(sub)
+            await self.tm.check(sub)
         return subs
 
     async def completions(self, req: CompletionRequest, request: Request):
@@ -87,7 +87,7 @@ class OpenAIServing:
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
             prompt = [prompt]
         ids = [p if isinstance(p, list) else await asyncio.to_thread(self.tm.tokenize, p) for p in prompt]
-        subs = self._submissions(req, ids, req.max_new_tokens, req.logprobs is not None)
+        subs = await self._submissions(req, ids, req.max_new_tokens, req.logprobs is not None)
         # echo: each choice's text starts with its prompt (as given, or decoded from token ids).
         echo = None
         if req.echo:
@@ -122,7 +122,7 @@ class OpenAIServing:
         # A grammar applies once the reasoning ends, as SGLang's reasoner grammars do.
         grammar = thinking and any(v is not None for v in req.grammar.values())
         after = self.tm.think_end_id() if grammar else None
-        subs = self._submissions(req, [ids], req.max_new_tokens, req.logprobs, after)
+        subs = await self._submissions(req, [ids], req.max_new_tokens, req.logprobs, after)
         splitters = None
         if thinking and req.separate_reasoning:
             splitters = [ReasoningSplitter(reasoning_parser, req.stream_reasoning) for _ in subs]

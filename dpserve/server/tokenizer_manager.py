@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from dpserve.config import EngineConfig
 from dpserve.engine.front_end import FrontEnd, RequestState
 from dpserve.engine.worker_pool import WorkerFailure
+from dpserve.grammar import grammar_key
 from dpserve.messages import Abort, GetExpertLoad, StepReport, Stop
 from dpserve.models.tokenizer import load_tokenizer
 from dpserve.sampling_params import SamplingParams
@@ -174,19 +175,29 @@ class TokenizerManager:
         except ValueError as e:
             raise RequestError(str(e)) from None
 
-    def check(self, sub: Submission) -> None:
-        """Raises RequestError for a request that can never run; nothing has been sent yet."""
-        if self.failure is not None:
-            raise RequestError(f"the server is shutting down: {self.failure}", status=503)
+    async def check(self, sub: Submission) -> None:
+        """Raises RequestError for a request that can never run; nothing has been sent yet. The one
+        check of a request (`generate` takes it checked); a grammar's text is parsed off the event
+        loop (a large schema takes a while, and every other client waits on the loop)."""
+        self._alive()
+        check = (sub.input_ids, sub.params, sub.data_parallel_rank, sub.bootstrap)
         try:
-            self.front.check(sub.input_ids, sub.params, sub.data_parallel_rank, sub.bootstrap)
+            if grammar_key(sub.params) is None:
+                self.front.check(*check)
+            else:
+                await asyncio.to_thread(self.front.check, *check)
         except ValueError as e:
             raise RequestError(str(e)) from None
 
+    def _alive(self) -> None:
+        if self.failure is not None:
+            raise RequestError(f"the server is shutting down: {self.failure}", status=503)
+
     async def generate(self, sub: Submission) -> AsyncIterator[Chunk]:
-        """Streams one sequence's chunks. Leaving early (client gone, cancelled) aborts it."""
-        self.check(sub)
-        state = self.front.submit(
+        """Streams one sequence's chunks (`check`ed already). Leaving early (client gone,
+        cancelled) aborts it."""
+        self._alive()
+        state = self.front.send(
             sub.input_ids,
             sub.params,
             sub.return_logprob,
