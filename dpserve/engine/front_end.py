@@ -115,20 +115,11 @@ class FrontEnd:
         check_request(input_ids, params, m.vocab_size, m.context_len, self.kv_capacity)
         check_grammar(params, self.cfg.grammar_backend)
 
-    def submit(
-        self,
-        input_ids: list[int],
-        params: SamplingParams,
-        return_logprob: bool = False,
-        dp_rank: int | None = None,
-        grammar_after: int | None = None,
-        bootstrap: Bootstrap | None = None,
-    ) -> RequestState:
-        """Checks, routes and sends one sequence; its state fills in as the workers report.
-        `grammar_after`: the token after which the request's grammar applies (reasoning's end);
-        `bootstrap`: its other half under prefill-decode disaggregation."""
-        self.check(input_ids, params, dp_rank, bootstrap)
-        return self.send(input_ids, params, return_logprob, dp_rank, grammar_after, bootstrap)
+    def submit(self, input_ids: list[int], params: SamplingParams, **send_args) -> RequestState:
+        """Checks, routes and sends one sequence (`send`'s arguments); its state fills in as the
+        workers report."""
+        self.check(input_ids, params, send_args.get("dp_rank"), send_args.get("bootstrap"))
+        return self.send(input_ids, params, **send_args)
 
     def send(
         self,
@@ -139,8 +130,10 @@ class FrontEnd:
         grammar_after: int | None = None,
         bootstrap: Bootstrap | None = None,
     ) -> RequestState:
-        """`submit` for a sequence `check` passed already: callers that check a whole batch before
-        sending any of it (the server, the offline Engine) check each request once."""
+        """Routes and sends one sequence `check` passed already (callers that check a whole batch
+        before sending any of it, as the server and the offline Engine do, check each sequence
+        once). `grammar_after`: the token after which the request's grammar applies (reasoning's
+        end); `bootstrap`: its other half under prefill-decode disaggregation."""
         rid = uuid.uuid4().hex
         if self.bootstrap is not None:  # prefill: the prompt and its first token, then the KV moves
             params = dataclasses.replace(
