@@ -112,6 +112,8 @@ def _cited(span: str, modules: set[str], members: dict[str, set[str]], names: se
         owner, attr = parts[-2], parts[-1]
         return attr in members.get(owner, set())
     return span in names
+
+
 def test_every_code_name_the_docs_cite_exists():
     """docs/*.md and the README name modules, classes and their members as code spans: each one
     exists in dpserve as written, so a rename that leaves the docs behind fails here."""

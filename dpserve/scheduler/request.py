@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from enum import Enum
 
 from dpserve.grammar import Matcher
 from dpserve.kvcache.radix_cache import Node
@@ -32,6 +33,16 @@ class GenerateRequest:
     return_logprob: bool = False
     grammar_after: int | None = None  # the token (reasoning's end) after which its grammar applies
     bootstrap: Bootstrap | None = None  # prefill-decode disaggregation: its other half
+
+
+class ReqStatus(Enum):
+    """Where a request is in its group's life; the scheduler's queue and lists follow it."""
+
+    WAITING = "waiting"  # queued, first or after a retraction: it holds no KV
+    AWAITING_KV = "awaiting_kv"  # decode side: admitted, its prompt's slots reserved for the prefill side
+    RUNNING = "running"  # admitted: prefilling, then decoding
+    SENDING = "sending"  # prefill side: done here, its KV held until written to the decode side
+    FINISHED = "finished"
 
 
 @dataclass
@@ -65,10 +76,11 @@ class Req:
     compiled: Future | None = None
     matcher: Matcher | None = None
     grammar_after: int | None = None  # the grammar applies after this token (None: it does now)
-    # Prefill-decode disaggregation: its other half; on a decode instance, whether its slots are
-    # reserved and wait for the prefill instance's KV.
+    status: ReqStatus = ReqStatus.WAITING
+    # Prefill-decode disaggregation: its other half; on a decode instance, whether its prompt's KV
+    # is still to come from the prefill instance (admitted, it awaits it: ReqStatus.AWAITING_KV).
     bootstrap: Bootstrap | None = None
-    awaiting: bool = False
+    kv_from_prefill: bool = False
 
     @property
     def kv_len(self) -> int:

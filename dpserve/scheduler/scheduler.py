@@ -42,7 +42,7 @@ from dpserve.messages import (
     TokenOut,
 )
 from dpserve.scheduler.cache_manager import CacheManager
-from dpserve.scheduler.request import GenerateRequest, Req, max_kv_len
+from dpserve.scheduler.request import GenerateRequest, Req, ReqStatus, max_kv_len
 from dpserve.scheduler.scheduled import ScheduledStep
 from dpserve.scheduler.token_counts import TokenCounts
 from dpserve.speculative.ngram import propose_ngram
@@ -127,6 +127,7 @@ class Scheduler:
         self.free_table_rows = list(range(max_running, 0, -1))  # row 0 is the padding row
         self.seeds = random.Random(seed + dp_rank)  # of requests without their own
         self.token_counts = TokenCounts(vocab_size, max_running, self.device)  # for penalties
+        self.reqs: dict[str, Req] = {}  # every live request, by id
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
@@ -143,26 +144,25 @@ class Scheduler:
         req = Req(msg.rid, msg.input_ids, msg.params, msg.return_logprob, max_len, seed)
         req.grammar_after = msg.grammar_after
         req.bootstrap = msg.bootstrap
-        req.awaiting = msg.bootstrap is not None and self.disaggregation == "decode"
+        req.kv_from_prefill = msg.bootstrap is not None and self.disaggregation == "decode"
         key = grammar_key(msg.params)
         if key is not None:
             if self.grammars is None:
                 return self._output(req, Abort("no grammar backend", 400))
             req.compiled = self.grammars.get(key)  # compiled meanwhile: the request waits, not the batch
         self.waiting.append(req)
+        self.reqs[req.rid] = req
         return None
 
     def abort(self, rid: str, message: str = "aborted") -> RequestOutput | None:
-        for req in [*self.waiting, *self.running, *(r for r, _ in self.sending.values())]:
-            if req.rid == rid:
-                return self._finish(req, Abort(message))
-        return None
+        req = self.reqs.get(rid)
+        return None if req is None else self._finish(req, Abort(message))
 
     # --- prefill-decode disaggregation -----------------------------------------------------------
 
     def set_destination(self, rid: str, dest: Destination) -> None:
         """Prefill: where `rid`'s KV goes (written once its first token is out)."""
-        if rid in self.sending or any(r.rid == rid for r in [*self.waiting, *self.running]):
+        if rid in self.reqs:
             self.destinations[rid] = dest
 
     def sent(self, step: ScheduledStep, errors: list[str | None]) -> list[RequestOutput]:
@@ -187,7 +187,7 @@ class Scheduler:
         req = self._awaiting(rid)
         if req is None:
             return [], []
-        req.awaiting = False
+        req.kv_from_prefill, req.status = False, ReqStatus.RUNNING
         req.proposed = list(first.drafts) if self.nextn else []
         req.prefix_pending = True  # its next step writes the prompt's slots into its table row
         self.kv.cache(req)
@@ -213,8 +213,9 @@ class Scheduler:
         return self._finish(req, reason)
 
     def _awaiting(self, rid: str) -> Req | None:
-        """Decode: the running request `rid` while it awaits its KV."""
-        return next((r for r in self.running if r.rid == rid and r.awaiting), None)
+        """Decode: the admitted request `rid` while it awaits its KV."""
+        req = self.reqs.get(rid)
+        return req if req is not None and req.status is ReqStatus.AWAITING_KV else None
 
     def window_slots(self, req: Req) -> list[int]:
         """The window slots `req` holds (of its positions from `window_lo`); none without the hybrid
@@ -236,7 +237,9 @@ class Scheduler:
         """The next step: chunks of prompts (a chunked one first, then admissions in order) and every
         decoding request's token and drafts."""
         step = ScheduledStep()
-        decoding = self._make_room(step, [r for r in self.running if r.prefill_done and not r.awaiting])
+        decoding = self._make_room(
+            step, [r for r in self.running if r.prefill_done and r.status is ReqStatus.RUNNING]
+        )
         budget = self.chunk_size
         for req in [r for r in self.running if not r.prefill_done]:  # a chunked prompt continues first
             budget -= self._add_chunk(step, req, budget, reserved=len(decoding))
@@ -248,7 +251,9 @@ class Scheduler:
             if not self._admit(step, req, reserved=len(decoding)):
                 break
             self.waiting.remove(req)
-            if req.awaiting:  # decode: its prompt's slots, for the prefill side to fill
+            if (
+                req.status is ReqStatus.AWAITING_KV
+            ):  # decode: its prompt's slots, for the prefill side to fill
                 self.kv.reserve(req)
                 step.reserved.append(req)
                 continue
@@ -333,7 +338,7 @@ class Scheduler:
         """Retracts running requests until every request in `decoding` can get its slot this step;
         returns those still running."""
         while self.kv.available < len(decoding):
-            victims = [r for r in self.running if not r.protected and not r.awaiting]
+            victims = [r for r in self.running if not r.protected and r.status is ReqStatus.RUNNING]
             if not victims:  # protected requests' whole needs fit the pool together (see _admit)
                 raise RuntimeError(f"dp_rank {self.dp_rank}: {len(decoding)} decode slots cannot be found")
             victim = min(victims, key=lambda r: (len(r.output_ids), -len(r.input_ids)))
@@ -352,7 +357,7 @@ class Scheduler:
                 return False  # wait for them to finish, admitting nobody else
             req.protected = True
         req.prefill_len = len(req.input_ids) + len(req.output_ids)
-        cached, node = ([], None) if req.awaiting else self.kv.match(req, recompute_last=self.nextn)
+        cached, node = ([], None) if req.kv_from_prefill else self.kv.match(req, recompute_last=self.nextn)
         others = sum(self._estimate(r) for r in self.running) + reserved
         if self.kv.available - others < req.prefill_len - len(cached) + self._estimate_decode(req):
             self.kv.unlock(node)
@@ -366,6 +371,7 @@ class Scheduler:
             step.admitted.append((req.rid, req.cached_tokens))
         self.counters["cache_hit_tokens"] += len(cached)
         self.running.append(req)
+        req.status = ReqStatus.AWAITING_KV if req.kv_from_prefill else ReqStatus.RUNNING
         return True
 
     def _add_chunk(self, step: ScheduledStep, req: Req, budget: int, reserved: int) -> int:
@@ -391,6 +397,7 @@ class Scheduler:
         self._release(req)
         self.running.remove(req)
         req.retractions += 1
+        req.status = ReqStatus.WAITING
         self.waiting.appendleft(req)
         self.counters["retractions"] += 1
         logger.info(
@@ -407,7 +414,7 @@ class Scheduler:
     def _release(self, req: Req) -> None:
         """Gives back what an admitted request holds; its KV stays in the prefix cache. A decode
         request still awaiting its KV leaves its slots in limbo: the prefill side may be writing."""
-        if req.awaiting:
+        if req.status is ReqStatus.AWAITING_KV:
             self.limbo[req.rid] = (req.slots, req.slots[req.window_lo :])
         else:
             self.kv.release(req)
@@ -458,6 +465,7 @@ class Scheduler:
             if reason is not None and held and not isinstance(reason, Abort):  # its KV goes to decode first
                 self.running.remove(req)
                 self.sending[req.rid] = (req, reason)
+                req.status = ReqStatus.SENDING
                 continue
             if reason is not None:
                 finished.append(self._finish(req, reason))
@@ -548,15 +556,17 @@ class Scheduler:
         return None
 
     def _finish(self, req: Req, reason: FinishReason) -> RequestOutput:
-        if req in self.running:
+        if req.status in (ReqStatus.RUNNING, ReqStatus.AWAITING_KV):
             self._release(req)
             self.running.remove(req)
-        elif req.rid in self.sending:
+        elif req.status is ReqStatus.SENDING:
             del self.sending[req.rid]
             self.destinations.pop(req.rid, None)
             self._release(req)
-        elif req in self.waiting:
+        elif req.status is ReqStatus.WAITING:
             self.waiting.remove(req)
+        req.status = ReqStatus.FINISHED
+        self.reqs.pop(req.rid, None)
         return self._output(req, reason)
 
     def _output(self, req: Req, reason: FinishReason) -> RequestOutput:
