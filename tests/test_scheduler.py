@@ -13,6 +13,7 @@ from dpserve.scheduler.request import GenerateRequest, check_request
 from dpserve.scheduler.scheduled import ScheduledStep
 from dpserve.scheduler.scheduler import MAX_RETRACTIONS, Scheduler, largest_step
 from dpserve.speculative.rejection import greedy_accept
+from dpserve.worker.drafter import draft_batch
 from dpserve.worker.model_runner import peak_step
 
 
@@ -147,7 +148,7 @@ def test_largest_step_is_reached_and_measured():
     for i in range(3):
         s.add(request(f"d{i}", 1, new=50, first=10 * i + 3))
     scheduled, _ = step(s)
-    s.set_drafts(scheduled, [[5, 6]] * 3)  # the MTP layer's chains
+    s.set_drafts(draft_batch(scheduled)[1], [[5, 6]] * 3)  # the MTP layer's chains
     s.add(request("late", 6, first=100))
     scheduled, _ = step(s)
     plan = scheduled.batch

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from dpserve.messages import RequestOutput
 from dpserve.scheduler.request import Req
-from dpserve.step.records import DraftBatch, GroupBatch
+from dpserve.step.records import GroupBatch
 
 
 @dataclass
@@ -25,9 +25,6 @@ class ScheduledStep:
         default_factory=list
     )  # outputs of requests it ended (grammar did not compile)
     retractions: int = 0  # requests retracted to make room for it
-    # NEXTN, after its samples: the MTP forwards and the requests they draft for, in order.
-    draft_batch: DraftBatch = field(default_factory=DraftBatch)
-    drafting: list[Req] = field(default_factory=list)
 
     @property
     def sampled(self) -> list[Req]:

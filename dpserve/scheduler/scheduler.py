@@ -46,7 +46,7 @@ from dpserve.scheduler.request import GenerateRequest, Req, ReqStatus, max_kv_le
 from dpserve.scheduler.scheduled import ScheduledStep
 from dpserve.scheduler.token_counts import TokenCounts
 from dpserve.speculative.ngram import propose_ngram
-from dpserve.step.records import BatchKind, BatchReq, DraftReq, KVSend
+from dpserve.step.records import BatchKind, BatchReq, KVSend
 
 logger = logging.getLogger(__name__)
 
@@ -474,8 +474,6 @@ class Scheduler:
         self.token_counts.add([rid for rid, _ in counted], [tok for _, tok in counted])
         self.kv.trim_windows(step.reqs)
         self.counters["generated_tokens"] += len(new)
-        if self.nextn:
-            self._make_draft_batch(step)
         return new, finished
 
     def _free_rejected(self, req: Req, emitted: int) -> None:
@@ -515,22 +513,10 @@ class Scheduler:
         return req.matcher.accept(tok)
 
     @staticmethod
-    def _make_draft_batch(step: ScheduledStep) -> None:
-        """The MTP rows after `step`: every position it kept, paired with the token after it."""
-        offset = 0
-        for req, part in zip(step.reqs, step.batch.reqs, strict=True):
-            kept = min(len(part.tokens), req.seq_len - 1 - part.start)
-            next_tokens = req.fill_ids[part.start + 1 : part.start + 1 + kept]
-            draft = req.table_row > 0 and req.prefill_done  # running and decoding next
-            step.draft_batch.reqs.append(DraftReq(part.table_row, part.start, offset, next_tokens, draft))
-            if draft:
-                step.drafting.append(req)
-            offset += len(part.tokens)
-
-    @staticmethod
-    def set_drafts(step: ScheduledStep, drafts: list[list[int]]) -> None:
-        """NEXTN: the chains the MTP layer drafted for `step.draft_batch`'s drafting requests, in order."""
-        for req, chain in zip(step.drafting, drafts, strict=True):
+    def set_drafts(drafting: list[Req], drafts: list[list[int]]) -> None:
+        """NEXTN: the chains the MTP layer drafted for `drafting` (the requests of a `draft_batch`
+        that draft, in order), proposed in their next step."""
+        for req, chain in zip(drafting, drafts, strict=True):
             req.proposed = chain
 
     def stats(self) -> dict:

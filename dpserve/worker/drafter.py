@@ -26,8 +26,25 @@ import torch
 from dpserve.kvcache.pool import KVPool
 from dpserve.models.base import CausalLM
 from dpserve.models.batch import ForwardBatch, stage
+from dpserve.scheduler.request import Req
+from dpserve.scheduler.scheduled import ScheduledStep
 from dpserve.step.padding import PaddingPolicy
-from dpserve.step.records import DraftBatch, DraftSizes
+from dpserve.step.records import DraftBatch, DraftReq, DraftSizes
+
+
+def draft_batch(step: ScheduledStep) -> tuple[DraftBatch, list[Req]]:
+    """The MTP rows after `step`, its samples taken: every position it kept, paired with the token
+    after it; and the requests that draft (running and decoding next), in order."""
+    batch, drafting, offset = DraftBatch(), [], 0
+    for req, part in zip(step.reqs, step.batch.reqs, strict=True):
+        kept = min(len(part.tokens), req.seq_len - 1 - part.start)
+        next_tokens = req.fill_ids[part.start + 1 : part.start + 1 + kept]
+        draft = req.table_row > 0 and req.prefill_done
+        batch.reqs.append(DraftReq(part.table_row, part.start, offset, next_tokens, draft))
+        if draft:
+            drafting.append(req)
+        offset += len(part.tokens)
+    return batch, drafting
 
 
 class NextNDrafter:

@@ -50,9 +50,9 @@ from dpserve.scheduler.scheduler import Scheduler
 from dpserve.step.exchange import exchange, share
 from dpserve.step.log import StepLog, StepRecord
 from dpserve.step.padding import calibrate
-from dpserve.step.records import BatchKind, GroupBatch, StepLayout
+from dpserve.step.records import BatchKind, DraftBatch, GroupBatch, StepLayout
 from dpserve.worker.channels import Heartbeat, WorkerAddresses
-from dpserve.worker.drafter import NextNDrafter
+from dpserve.worker.drafter import NextNDrafter, draft_batch
 from dpserve.worker.model_runner import ModelRunner
 from dpserve.worker.sampler import sample
 from dpserve.worker.sampling_batch import sampling_inputs
@@ -257,11 +257,12 @@ class Worker:
         if s is not None and batch.reqs:
             self.report.add(*s.process_samples(step, *self._sample(step, logits)))
         if self.drafter is not None:
-            draft_batch = share(step.draft_batch if s else None, self.groups)
-            sizes = exchange(draft_batch.sizes(self.drafter.num_steps, self.drafter.context_len), self.groups)
-            drafts = self.drafter.run(draft_batch, sizes, self.runner.hidden)
+            mine, drafting = draft_batch(step) if s is not None and batch.reqs else (DraftBatch(), [])
+            drafted = share(mine if s is not None else None, self.groups)
+            sizes = exchange(drafted.sizes(self.drafter.num_steps, self.drafter.context_len), self.groups)
+            drafts = self.drafter.run(drafted, sizes, self.runner.hidden)
             if s is not None:
-                s.set_drafts(step, drafts)
+                s.set_drafts(drafting, drafts)
         load = self.runner.take_expert_load()  # on the device; every rank: a collective under all_to_all
         # Rows per logical expert, read before a rebalance changes the slots.
         rows = None if load is None else self.expert_load.expert_rows(load)
