@@ -214,6 +214,17 @@ class ExpertLoad:
 
 
 @dataclass(frozen=True)
+class Bootstrap:
+    """Prefill-decode disaggregation: where a request's other half is, the prefill instance's
+    bootstrap host and port, and the room both halves carry (the PD router's bootstrap_host,
+    bootstrap_port and bootstrap_room)."""
+
+    host: str
+    port: int
+    room: int
+
+
+@dataclass(frozen=True)
 class Destination:
     """Where a request's prompt KV goes: the decode group's `slots` (and `window_slots` of its last
     W - 1 positions, hybrid pool), its ranks' pool descriptors, and what both sides must agree on.

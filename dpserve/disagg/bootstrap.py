@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import zmq
 
 from dpserve.messages import (
+    Bootstrap,
     Destination,
     KVDestination,
     PrefillAnswer,
@@ -32,7 +33,6 @@ from dpserve.messages import (
     RoomCancel,
     answer_from_wire,
 )
-from dpserve.scheduler.request import Bootstrap
 
 logger = logging.getLogger("dpserve")
 

@@ -24,6 +24,7 @@ from dpserve.memory import RANK_FIGURES
 from dpserve.messages import (
     Abort,
     AbortRequest,
+    Bootstrap,
     ExpertLoad,
     FirstToken,
     FlushCache,
@@ -40,7 +41,7 @@ from dpserve.messages import (
 from dpserve.models.config import ModelConfig
 from dpserve.models.loader import CheckpointReader
 from dpserve.sampling_params import SamplingParams
-from dpserve.scheduler.request import Bootstrap, GenerateRequest, check_request
+from dpserve.scheduler.request import GenerateRequest, check_request
 
 logger = logging.getLogger("dpserve")
 

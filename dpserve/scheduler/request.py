@@ -9,18 +9,8 @@ from enum import Enum
 
 from dpserve.grammar import Matcher
 from dpserve.kvcache.radix_cache import Node
+from dpserve.messages import Bootstrap
 from dpserve.sampling_params import SamplingParams
-
-
-@dataclass(frozen=True)
-class Bootstrap:
-    """Prefill-decode disaggregation: where a request's other half is, the prefill instance's
-    bootstrap host and port, and the room both halves carry (the PD router's bootstrap_host,
-    bootstrap_port and bootstrap_room)."""
-
-    host: str
-    port: int
-    room: int
 
 
 @dataclass

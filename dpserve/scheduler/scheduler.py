@@ -29,6 +29,7 @@ from dataclasses import replace
 
 import torch
 
+from dpserve.disagg.queues import Limbo, SendQueue
 from dpserve.grammar import COUNTERS as GRAMMAR_COUNTERS
 from dpserve.grammar import GrammarCache, Matcher, grammar_key
 from dpserve.messages import (
@@ -120,10 +121,9 @@ class Scheduler:
         self.disaggregation = disaggregation
         # Prefill: requests whose first token is out, holding their KV until it is written to the
         # decode side (with the finish reason they then report), and where each one's KV goes.
-        self.sending: dict[str, tuple[Req, FinishReason]] = {}
-        self.destinations: dict[str, Destination] = {}
+        self.sending: SendQueue[Req] = SendQueue()
         # Decode: slots of ended requests the prefill side may still write into.
-        self.limbo: dict[str, tuple[list[int], list[int]]] = {}  # rid -> its slots, those with window slots
+        self.limbo = Limbo()
         self.free_table_rows = list(range(max_running, 0, -1))  # row 0 is the padding row
         self.seeds = random.Random(seed + dp_rank)  # of requests without their own
         self.token_counts = TokenCounts(vocab_size, max_running, self.device)  # for penalties
@@ -163,16 +163,16 @@ class Scheduler:
     def set_destination(self, rid: str, dest: Destination) -> None:
         """Prefill: where `rid`'s KV goes (written once its first token is out)."""
         if rid in self.reqs:
-            self.destinations[rid] = dest
+            self.sending.set_destination(rid, dest)
 
     def sent(self, step: ScheduledStep, errors: list[str | None]) -> list[RequestOutput]:
         """Prefill: `step`'s sends are done (or failed: their error); their requests end."""
         out = []
         for rid, error in zip(step.sends, errors, strict=True):
-            self.destinations.pop(rid, None)
-            if rid not in self.sending:
+            held = self.sending.pop(rid)
+            if held is None:  # aborted meanwhile
                 continue
-            req, reason = self.sending[rid]
+            req, reason = held
             if error is not None:
                 message = f"writing the KV failed: {error}"
                 reason = Abort(message, 500, write_failed=True)
@@ -223,13 +223,9 @@ class Scheduler:
         window queries read, sent by one side and received by the other."""
         return self.kv.window_slots(req)
 
-    def _send(self, req: Req) -> KVSend:
-        """Prefill: the send order of a held request: its prompt's slots and its window slots."""
-        return KVSend(req.slots, self.destinations[req.rid], self.window_slots(req))
-
     def free_limbo(self, rid: str) -> None:
         """Decode: the prefill side will not write into the ended request `rid`'s slots any more."""
-        self.kv.free(*self.limbo.pop(rid))
+        self.kv.free(*self.limbo.take(rid))
 
     # --- scheduling ------------------------------------------------------------------------------
 
@@ -262,8 +258,9 @@ class Scheduler:
         for req in decoding:
             spare -= self._add_decode(step, req, spare)
         batch = step.batch
-        step.sends = [rid for rid in self.sending if rid in self.destinations]
-        batch.sends = [self._send(self.sending[rid][0]) for rid in step.sends]
+        ready = self.sending.ready()
+        step.sends = [rid for rid, _, _ in ready]
+        batch.sends = [KVSend(req.slots, dest, self.window_slots(req)) for _, req, dest in ready]
         if step.prefilled:
             batch.kind = BatchKind.EXTEND
         elif decoding:
@@ -415,7 +412,7 @@ class Scheduler:
         """Gives back what an admitted request holds; its KV stays in the prefix cache. A decode
         request still awaiting its KV leaves its slots in limbo: the prefill side may be writing."""
         if req.status is ReqStatus.AWAITING_KV:
-            self.limbo[req.rid] = (req.slots, req.slots[req.window_lo :])
+            self.limbo.park(req.rid, req.slots, req.slots[req.window_lo :])
         else:
             self.kv.release(req)
         self.free_table_rows.append(req.table_row)
@@ -464,7 +461,7 @@ class Scheduler:
             held = req.bootstrap is not None and self.disaggregation == "prefill"
             if reason is not None and held and not isinstance(reason, Abort):  # its KV goes to decode first
                 self.running.remove(req)
-                self.sending[req.rid] = (req, reason)
+                self.sending.hold(req.rid, req, reason)
                 req.status = ReqStatus.SENDING
                 continue
             if reason is not None:
@@ -546,8 +543,7 @@ class Scheduler:
             self._release(req)
             self.running.remove(req)
         elif req.status is ReqStatus.SENDING:
-            del self.sending[req.rid]
-            self.destinations.pop(req.rid, None)
+            self.sending.pop(req.rid)
             self._release(req)
         elif req.status is ReqStatus.WAITING:
             self.waiting.remove(req)

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_vali
 from pydantic_core import PydanticCustomError
 
 from dpserve.grammar import JSON_OBJECT, KINDS
+from dpserve.messages import Bootstrap
 from dpserve.sampling_params import (
     INT64_MAX,
     INT64_MIN,
@@ -30,7 +31,6 @@ from dpserve.sampling_params import (
     SamplingParams,
     check_stop_strings,
 )
-from dpserve.scheduler.request import Bootstrap
 from dpserve.server.tools import forced_schema
 
 T = TypeVar("T")

@@ -19,10 +19,9 @@ from dpserve.config import EngineConfig
 from dpserve.engine.front_end import FrontEnd, RequestState
 from dpserve.engine.worker_pool import WorkerFailure
 from dpserve.grammar import grammar_key
-from dpserve.messages import Abort, GetExpertLoad, StepReport, Stop
+from dpserve.messages import Abort, Bootstrap, GetExpertLoad, StepReport, Stop
 from dpserve.models.tokenizer import load_tokenizer
 from dpserve.sampling_params import SamplingParams
-from dpserve.scheduler.request import Bootstrap
 from dpserve.server.detokenizer import IncrementalDetokenizer
 from dpserve.server.metrics import ServerMetrics
 from dpserve.server.reasoning import END

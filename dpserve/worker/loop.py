@@ -230,7 +230,7 @@ class Worker:
                     self.report.add([], [output] if output else [])
                 case FirstToken():
                     self.report.add(*s.kv_arrived(rid, answer))
-        for rid in list(s.limbo):
+        for rid in s.limbo:
             if self.link.waiting(rid):
                 self.link.cancel(rid)
             else:
