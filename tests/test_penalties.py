@@ -14,11 +14,11 @@ from dpserve.models.batch import stage
 from dpserve.sampling_params import SamplingParams
 from dpserve.scheduler.request import GenerateRequest
 from dpserve.scheduler.scheduler import Scheduler
-from dpserve.scheduler.token_counts import TokenCounts
 from dpserve.speculative.rejection import greedy_accept
 from dpserve.testing.reference import _load_model, hf_sampling_reference, reference_logits
 from dpserve.worker.sampler import Penalties, adjust_inputs, adjust_logits, sample
-from dpserve.worker.sampling_batch import sampling_inputs
+from dpserve.worker.sampling_batch import count_tokens, follow_counts, sampling_inputs
+from dpserve.worker.token_counts import TokenCounts
 
 VOCAB = 50
 EOS = 1
@@ -159,10 +159,11 @@ def run_leader(params: list[SamplingParams], num_drafts: int, capacity: int) -> 
     s = Scheduler(0, capacity, 8, 16, 100, VOCAB, eos_ids=(EOS,), seed=0, num_drafts=num_drafts)
     for i, p in enumerate(params):
         s.add(GenerateRequest(str(i), [3 + i, 9, 4 + 2 * i], p))
-    outputs = {}
+    outputs, counts = {}, TokenCounts(VOCAB, 8)  # kept beside the scheduler, as a leader keeps them
     while s.running or s.waiting:
         scheduled = s.schedule()
-        i = sampling_inputs(scheduled.sampled, s.token_counts, s.vocab_size, s.eos_ids)
+        follow_counts(counts, s.running, scheduled.sampled)
+        i = sampling_inputs(scheduled.sampled, counts, s.vocab_size, s.eos_ids)
         rows = [
             synthetic_logits(r.fill_ids + r.drafts[:j])
             for r in scheduled.sampled
@@ -173,8 +174,11 @@ def run_leader(params: list[SamplingParams], num_drafts: int, capacity: int) -> 
             if rows
             else ([], [], [], [])
         )
-        outputs.update((o.rid, o.output_ids) for o in s.process_samples(scheduled, *samples)[1])
-    assert s.token_counts.rows == {}
+        new, finished = s.process_samples(scheduled, *samples)
+        count_tokens(counts, new)
+        outputs.update((o.rid, o.output_ids) for o in finished)
+    follow_counts(counts, s.running, [])
+    assert counts.rows == {}
     return [outputs[str(i)] for i in range(len(params))], s.counters
 
 

@@ -7,8 +7,8 @@ from conftest import CountOps
 
 from dpserve.grammar import token_bitmask
 from dpserve.sampling_params import SamplingParams
-from dpserve.scheduler.token_counts import TokenCounts
 from dpserve.worker.sampler import GrammarMask, Penalties, sample, uniforms
+from dpserve.worker.token_counts import TokenCounts
 
 PROBS = torch.tensor([0.4, 0.3, 0.2, 0.1])
 

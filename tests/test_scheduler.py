@@ -15,6 +15,8 @@ from dpserve.scheduler.scheduler import MAX_RETRACTIONS, Scheduler, largest_step
 from dpserve.speculative.rejection import greedy_accept
 from dpserve.worker.drafter import draft_batch
 from dpserve.worker.model_runner import peak_step
+from dpserve.worker.sampling_batch import count_tokens, follow_counts
+from dpserve.worker.token_counts import TokenCounts
 
 
 def make(
@@ -38,9 +40,10 @@ def periodic_token(fill: list[int]) -> int:
     return 3 + (fill[-1] * 7) % 11  # repeats soon, as copy-heavy text does: n-gram drafts get accepted
 
 
-def step(s: Scheduler, rule=next_token):
+def step(s: Scheduler, rule=next_token, counts: TokenCounts | None = None):
     """Runs one step: checks the plan against the request-to-slot table a rank keeps; the "model"
-    verifies drafts greedily by `rule`."""
+    verifies drafts greedily by `rule`; `counts`: the penalties' token counts, kept as a leader
+    keeps them."""
     scheduled = s.schedule()
     plan = scheduled.batch
     # Never more tokens than the step whose activation peak the workers measure at start-up.
@@ -56,7 +59,11 @@ def step(s: Scheduler, rule=next_token):
     for r in scheduled.sampled:
         targets = [rule(r.fill_ids + r.drafts[:j]) for j in range(len(r.drafts) + 1)]
         tokens.append(greedy_accept(r.drafts, targets))
-    _, finished = s.process_samples(scheduled, tokens, [[0.0] * len(t) for t in tokens])
+    if counts is not None:
+        follow_counts(counts, s.running, scheduled.sampled)
+    new, finished = s.process_samples(scheduled, tokens, [[0.0] * len(t) for t in tokens])
+    if counts is not None:
+        count_tokens(counts, new)
     return scheduled, finished
 
 
@@ -295,9 +302,10 @@ def test_many_random_requests_finish_exactly(radix, drafts, rule):
 
 
 def test_penalty_counts_follow_outputs_through_retraction():
-    """The device token counts of requests with penalties equal a recount of their tokens after
-    every step, across retractions (re-admission refills them) and verify steps; every row is
-    given back when its request ends."""
+    """The device token counts of requests with penalties, kept beside the scheduler as a group
+    leader keeps them, equal a recount of their tokens after every step, across retractions
+    (re-admission refills them) and verify steps; every row is given back when its request ends."""
+    counts = TokenCounts(300, 8)
     s = make(capacity=60, chunk=16, max_running=8, drafts=2)
     msgs = [request(f"r{i}", 5 + i, new=30, first=7 * i + 3) for i in range(8)]
     for m in msgs[::2]:
@@ -306,16 +314,18 @@ def test_penalty_counts_follow_outputs_through_retraction():
         s.add(m)
     finished = {}
     while s.running or s.waiting:
-        _, done = step(s, periodic_token)
+        _, done = step(s, periodic_token, counts)
         finished.update((o.rid, o) for o in done)
         for r in s.running:
-            row = s.token_counts.rows.get(r.rid)
-            assert (row is not None) == (r.params.repetition_penalty != 1), r.rid
+            row = counts.rows.get(r.rid)
+            if r.prefill_done:  # it sampled since its (re)admission
+                assert (row is not None) == (r.params.repetition_penalty != 1), r.rid
             if row is not None:
-                assert s.token_counts.output[row].tolist() == [r.output_ids.count(t) for t in range(300)]
-                assert s.token_counts.prompt[row].nonzero().flatten().tolist() == sorted(set(r.input_ids))
+                assert counts.output[row].tolist() == [r.output_ids.count(t) for t in range(300)]
+                assert counts.prompt[row].nonzero().flatten().tolist() == sorted(set(r.input_ids))
     assert s.counters["retractions"] > 0 and s.counters["spec_accepted_tokens"] > 0
-    assert s.token_counts.rows == {} and len(finished) == len(msgs)
+    follow_counts(counts, s.running, [])
+    assert counts.rows == {} and len(finished) == len(msgs)
 
 
 def test_flush_cache_drops_what_no_running_request_holds():

@@ -27,8 +27,6 @@ import random
 from collections import deque
 from dataclasses import replace
 
-import torch
-
 from dpserve.disagg.queues import Limbo, SendQueue
 from dpserve.grammar import COUNTERS as GRAMMAR_COUNTERS
 from dpserve.grammar import GrammarCache, Matcher, grammar_key
@@ -45,7 +43,6 @@ from dpserve.messages import (
 from dpserve.scheduler.cache_manager import CacheManager
 from dpserve.scheduler.request import GenerateRequest, Req, ReqStatus, max_kv_len
 from dpserve.scheduler.scheduled import ScheduledStep
-from dpserve.scheduler.token_counts import TokenCounts
 from dpserve.speculative.ngram import propose_ngram
 from dpserve.step.records import BatchKind, BatchReq, KVSend
 
@@ -104,7 +101,6 @@ class Scheduler:
         eos_ids: tuple[int, ...],
         seed: int,
         radix_cache: bool = True,
-        device: torch.device | str = "cpu",  # the logits' device (penalty counts live there)
         num_drafts: int = 0,  # speculative tokens per decoding request and step; 0: off
         speculative_algorithm: str = "NGRAM",  # NGRAM or NEXTN (drafts handed in by `set_drafts`)
         grammars: GrammarCache | None = None,  # structured output; None: --grammar-backend none
@@ -112,7 +108,7 @@ class Scheduler:
         window_capacity: int = 0,  # its slots
         disaggregation: str = "null",  # prefill-decode disaggregation: this instance's role
     ):
-        self.dp_rank, self.device, self.num_drafts = dp_rank, torch.device(device), num_drafts
+        self.dp_rank, self.num_drafts = dp_rank, num_drafts
         self.nextn = num_drafts > 0 and speculative_algorithm == "NEXTN"
         self.max_running, self.chunk_size = max_running, chunk_size
         self.context_len, self.vocab_size = context_len, vocab_size
@@ -126,7 +122,6 @@ class Scheduler:
         self.limbo = Limbo()
         self.free_table_rows = list(range(max_running, 0, -1))  # row 0 is the padding row
         self.seeds = random.Random(seed + dp_rank)  # of requests without their own
-        self.token_counts = TokenCounts(vocab_size, max_running, self.device)  # for penalties
         self.reqs: dict[str, Req] = {}  # every live request, by id
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
@@ -199,8 +194,6 @@ class Scheduler:
         new = [TokenOut(rid, token, first.logprob, first.top)]
         if reason is not None:
             return new, [self._finish(req, reason)]
-        if req.rid in self.token_counts.rows:
-            self.token_counts.add([rid], [token])
         return new, []
 
     def kv_failed(self, rid: str, message: str, write_failed: bool = False) -> RequestOutput | None:
@@ -361,8 +354,6 @@ class Scheduler:
             return False
         req.table_row = self.free_table_rows.pop()
         self.kv.start(req, cached, node)
-        if req.params.penalized:
-            self.token_counts.acquire(req.rid, req.input_ids, req.output_ids)
         if req.cached_tokens is None:
             req.cached_tokens = min(len(cached), len(req.input_ids))
             step.admitted.append((req.rid, req.cached_tokens))
@@ -416,7 +407,6 @@ class Scheduler:
         else:
             self.kv.release(req)
         self.free_table_rows.append(req.table_row)
-        self.token_counts.release(req.rid)
         req.table_row, req.slots, req.node, req.cached_len, req.dup_slots = 0, [], None, 0, []
         req.window_lo = 0
         req.prefix_pending = False
@@ -439,7 +429,7 @@ class Scheduler:
         an abort its caller sees as a 400 naming the cause."""
         for req in step.prefilled:
             self.kv.cache(req)
-        new, finished, counted = [], [], []
+        new, finished = [], []
         top_logprobs = top_logprobs or [[[] for _ in t] for t in tokens]
         errors = errors or [None] * len(tokens)
         steps = zip(step.sampled, tokens, logprobs, top_logprobs, errors, strict=True)
@@ -466,9 +456,6 @@ class Scheduler:
                 continue
             if reason is not None:
                 finished.append(self._finish(req, reason))
-            elif req.rid in self.token_counts.rows:
-                counted += [(req.rid, tok) for tok in req.output_ids[-emitted:]]
-        self.token_counts.add([rid for rid, _ in counted], [tok for _, tok in counted])
         self.kv.trim_windows(step.reqs)
         self.counters["generated_tokens"] += len(new)
         return new, finished

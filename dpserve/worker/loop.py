@@ -55,7 +55,8 @@ from dpserve.worker.channels import Heartbeat, WorkerAddresses
 from dpserve.worker.drafter import NextNDrafter, draft_batch
 from dpserve.worker.model_runner import ModelRunner
 from dpserve.worker.sampler import sample
-from dpserve.worker.sampling_batch import sampling_inputs
+from dpserve.worker.sampling_batch import count_tokens, follow_counts, sampling_inputs
+from dpserve.worker.token_counts import TokenCounts
 
 # An idle instance blocks in its leaders' sockets instead of stepping: the front end wakes every
 # group's leader whenever a request arrives (`WorkerPool.send(..., wake_all=True)`), so the wait
@@ -103,7 +104,9 @@ class Worker:
             if topo.is_group_leader and cfg.disaggregation_mode == "decode":
                 self.link = DecodeLink(cfg.disaggregation_timeout)
         if topo.is_group_leader:
-            self.scheduler = self._scheduler(cfg, model_cfg, device)
+            self.scheduler = self._scheduler(cfg, model_cfg)
+            # The penalties' token counts of the group's requests, on the logits' device.
+            self.token_counts = TokenCounts(model_cfg.vocab_size, cfg.running_per_group, device)
             self.requests = ctx.socket(zmq.PULL)
             self.requests.connect(addrs.requests[self.dp_rank])
         self.step_counts = {"steps_eager": 0, "steps_padded": 0}
@@ -138,7 +141,7 @@ class Worker:
             cfg.kv_dtype,
         )
 
-    def _scheduler(self, cfg: EngineConfig, model_cfg: ModelConfig, device: torch.device) -> Scheduler:
+    def _scheduler(self, cfg: EngineConfig, model_cfg: ModelConfig) -> Scheduler:
         """A group leader's scheduler over the group's pool (and its grammar cache)."""
         grammars = None
         if cfg.grammar_backend == "xgrammar":
@@ -159,7 +162,6 @@ class Worker:
             model_cfg.eos_token_ids,
             cfg.random_seed,
             radix_cache=not cfg.disable_radix_cache,
-            device=device,
             num_drafts=cfg.num_drafts,
             speculative_algorithm=cfg.speculative_algorithm or "NGRAM",
             window_size=self.runner.window_size,
@@ -255,7 +257,9 @@ class Worker:
         """5. The leader samples; NEXTN drafts on every rank; the leader logs the step."""
         s = self.scheduler
         if s is not None and batch.reqs:
-            self.report.add(*s.process_samples(step, *self._sample(step, logits)))
+            new, finished = s.process_samples(step, *self._sample(step, logits))
+            count_tokens(self.token_counts, new)
+            self.report.add(new, finished)
         if self.drafter is not None:
             mine, drafting = draft_batch(step) if s is not None and batch.reqs else (DraftBatch(), [])
             drafted = share(mine if s is not None else None, self.groups)
@@ -302,7 +306,8 @@ class Worker:
         if not step.batch.num_logit_rows:
             return [], [], [], []
         s = self.scheduler
-        i = sampling_inputs(step.sampled, s.token_counts, s.vocab_size, s.eos_ids)
+        follow_counts(self.token_counts, s.running, step.sampled)
+        i = sampling_inputs(step.sampled, self.token_counts, s.vocab_size, s.eos_ids)
         return sample(logits, i.params, i.keys, i.drafts, i.penalties, i.grammar)
 
     def _report_rebalance(self, rebalance: Rebalance) -> None:

@@ -14,8 +14,8 @@ import torch
 from dpserve.grammar import apply_bitmask
 from dpserve.models.batch import stage
 from dpserve.sampling_params import SamplingParams
-from dpserve.scheduler.token_counts import TokenCounts
 from dpserve.speculative.rejection import greedy_accept, rejection_sample
+from dpserve.worker.token_counts import TokenCounts
 
 
 @dataclass

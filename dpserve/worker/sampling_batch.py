@@ -7,10 +7,11 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 from dpserve.grammar import token_bitmask
+from dpserve.messages import TokenOut
 from dpserve.sampling_params import SamplingParams
 from dpserve.scheduler.request import Req
-from dpserve.scheduler.token_counts import TokenCounts
 from dpserve.worker.sampler import GrammarMask, Penalties
+from dpserve.worker.token_counts import TokenCounts
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,25 @@ def sampling_inputs(
         penalties,
         grammar_mask(reqs, vocab_size),
     )
+
+
+def follow_counts(counts: TokenCounts, running: list[Req], sampled: list[Req]) -> None:
+    """Before a step samples: the rows of requests no longer running (ended, retracted, held for the
+    decode side) go back, and each sampling request with a penalty has its row, filled from its
+    prompt and what it generated so far (it samples for the first time, or again after a
+    retraction): so the counts equal its tokens, whatever happened to it in between."""
+    live = {r.rid for r in running}
+    for rid in [rid for rid in counts.rows if rid not in live]:
+        counts.release(rid)
+    for req in sampled:
+        if req.params.penalized and req.rid not in counts.rows:
+            counts.acquire(req.rid, req.input_ids, req.output_ids)
+
+
+def count_tokens(counts: TokenCounts, tokens: list[TokenOut]) -> None:
+    """After a step: its new tokens, counted for the requests that hold rows."""
+    kept = [t for t in tokens if t.rid in counts.rows]
+    counts.add([t.rid for t in kept], [t.token for t in kept])
 
 
 def grammar_mask(reqs: list[Req], vocab_size: int) -> GrammarMask | None:

@@ -1,5 +1,5 @@
-"""Which tokens each running request that uses a penalty has seen, on the device: the scheduler
-keeps the rows as requests are admitted, generate and leave; the sampler reads them
+"""Which tokens each running request that uses a penalty has seen, on the device: a group leader
+keeps the rows beside its scheduler (`sampling_batch.follow_counts`), the sampler reads them
 (`dpserve.worker.sampler.Penalties`)."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from dpserve.models.batch import stage
 class TokenCounts:
     """The token counts of every running request that uses a penalty, on the device: how often it
     generated each token (`output`, int32) and which tokens its prompt holds (`prompt`, bool; for
-    the repetition penalty). A row is filled once when its request is admitted (from its prompt and,
-    after a retraction, from what it had generated), then updated by one scatter-add of the step's
+    the repetition penalty). A row is filled once when its request first samples (from its prompt
+    and, after a retraction, from what it had generated), then updated by one scatter-add of the step's
     sampled tokens for the whole batch: nothing is rebuilt from Python lists per step.
 
     Memory: 5 bytes per vocabulary entry and row (0.65 MB for DeepSeek's 129,280 tokens), and rows
