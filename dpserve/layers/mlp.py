@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -18,48 +17,9 @@ from dpserve.cpu_ops import onednn_packs, pack, packed_linear
 from dpserve.layers.ep_dispatch import dispatch_combine
 from dpserve.layers.linear import Linear
 from dpserve.layers.quant import add_weight, building_spec, quantized_linear, quantized_weight
+from dpserve.layers.specs import MoESpec
 from dpserve.memory import moe_chunk_rows
 from dpserve.step.records import StepLayout
-
-
-@dataclass(frozen=True)
-class MoESpec:
-    """What a family's MoE layers compute and which layers they are."""
-
-    num_experts: int  # routed experts (logical)
-    experts_field: str  # the config field that says so, for messages
-    top_k: int
-    intermediate_size: int  # one routed expert's
-    shared_intermediate_size: int  # all shared experts together; 0: none
-    scoring: str  # softmax | sigmoid over all experts; topk_softmax: softmax over the top-k logits
-    topk_method: str  # greedy | group_limited_greedy | noaux_tc (sigmoid + correction bias)
-    num_groups: int = 1
-    topk_groups: int = 1
-    norm_topk_prob: bool = False  # the top-k weights renormalised to sum to 1
-    scaling: float = 1.0  # routed_scaling_factor
-    first_dense: int = 0  # layers before it are dense (DeepSeek's first_k_dense_replace)
-    dense_layers: frozenset[int] = frozenset()  # dense anyway (Qwen's mlp_only_layers)
-    sparse_step: int = 1  # every sparse_step-th layer is MoE (Qwen's decoder_sparse_step)
-    router_bias: bool = False
-    expert_bias: bool = False  # biases on gate/up and down
-    activation: str = "silu"  # silu(gate) * up; swiglu_clamped: gpt-oss's (gate, up clamped to limit)
-    swiglu_alpha: float = 1.702
-    swiglu_limit: float = 7.0
-    # How the checkpoint names its experts: per_expert (experts.{e}.gate_proj...; router "gate") or
-    # fused (gpt-oss: experts.gate_up_proj [E, hidden, 2I] gate/up interleaved, experts.down_proj
-    # [E, I, hidden], their biases; router "router").
-    checkpoint: str = "per_expert"
-
-    def is_moe_layer(self, index: int) -> bool:
-        return (
-            index >= self.first_dense
-            and index not in self.dense_layers
-            and (index + 1) % self.sparse_step == 0
-        )
-
-    @property
-    def correction_bias(self) -> bool:
-        return self.topk_method == "noaux_tc"
 
 
 class MLP(nn.Module):

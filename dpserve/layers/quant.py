@@ -29,35 +29,11 @@ import torch
 import torch.nn.functional as F
 
 from dpserve import cpu_ops
+from dpserve.layers.specs import FP8, INT8, QuantSpec
+from dpserve.layers.specs import PER_ROW as PER_ROW  # where the kernels, tests and tools have always found it
 
-FP8 = torch.float8_e4m3fn
-INT8 = torch.int8
 QUANTIZED = (FP8, INT8)  # the dtypes of weights kept 8-bit
-PER_ROW = 1 << 40  # W8A8-INT8's block width: every column of a row shares its scale
 ROWS_PER_CHUNK = 256  # output rows widened at once on the CPU: a bounded scratch, never the whole weight
-
-
-@dataclass(frozen=True)
-class QuantSpec:
-    """How a checkpoint's linear weights are kept: `method` (SGLang's --quantization names) with a
-    scale per block of `block` (rows, columns), as stored or quantized at load (`online`:
-    --quantization on a checkpoint whose weights are not)."""
-
-    method: str  # fp8 | w8a8_int8
-    block: tuple[int, int]
-    online: bool = False
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return FP8 if self.method == "fp8" else INT8
-
-    @property
-    def scale_suffix(self) -> str:
-        """The scale tensor's name after its weight's: DeepSeek's inverse scales, SGLang's int8 ones."""
-        return "_scale_inv" if self.method == "fp8" else "_scale"
-
-    def describe(self) -> str:
-        return "a scale per row" if self.block[1] == PER_ROW else f"blocks of {list(self.block)}"
 
 
 _BUILDING: list[QuantSpec | None] = [None]

@@ -11,8 +11,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from dpserve.config import EngineConfig
 from dpserve.eplb.placement import Placement, start_placement
-from dpserve.layers.mlp import MoESpec
-from dpserve.layers.quant import PER_ROW, QuantSpec
+from dpserve.layers.specs import PER_ROW, MoESpec, QuantSpec
 from dpserve.models.family import FAMILIES, SERVED, Family
 from dpserve.models.loader import CheckpointReader
 

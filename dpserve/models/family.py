@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from transformers import PretrainedConfig
 
-from dpserve.layers.mlp import MoESpec
+from dpserve.layers.specs import MoESpec
 
 
 @dataclass(frozen=True)

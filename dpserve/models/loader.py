@@ -29,16 +29,14 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from dpserve.layers.quant import (
-    INT8,
-    PER_ROW,
     QUANTIZED,
-    QuantSpec,
     activation_group,
     dequantize,
     quantize,
     quantized_weights_of,
     set_tables,
 )
+from dpserve.layers.specs import INT8, PER_ROW, QuantSpec
 
 
 @dataclass(frozen=True)
