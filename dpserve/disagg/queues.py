@@ -42,9 +42,6 @@ class SendQueue(Generic[R]):
     def __len__(self) -> int:
         return len(self._held)
 
-    def __contains__(self, rid: str) -> bool:
-        return rid in self._held
-
 
 class Limbo:
     """Decode side: the full slots and window slots of ended requests, by id, until the prefill

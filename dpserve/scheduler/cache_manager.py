@@ -102,7 +102,9 @@ class CacheManager:
         return prefix, slots, window_slots
 
     def window_slots(self, req: Req) -> list[int]:
-        """The window slots `req` holds (of its positions from `window_lo`)."""
+        """The window slots `req` holds (of its positions from `window_lo`); none without the hybrid
+        pool. Under disaggregation: the prompt's last W - 1 positions, what the first decode step's
+        window queries read, sent by one side and received by the other."""
         return self.windows.slots_of(req.slots[req.window_lo :])
 
     def free_rejected(self, req: Req, keep: int) -> None:

@@ -7,6 +7,7 @@ take it, so the scheduler may schedule the next step before this one's results a
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from dpserve.messages import RequestOutput
 from dpserve.scheduler.request import Req
@@ -26,7 +27,8 @@ class ScheduledStep:
     )  # outputs of requests it ended (grammar did not compile)
     retractions: int = 0  # requests retracted to make room for it
 
-    @property
+    @cached_property
     def sampled(self) -> list[Req]:
-        """Its requests that sample, in the order of its logits rows."""
+        """Its requests that sample, in the order of its logits rows (read once its batch is
+        formed: by the sampler's inputs, the penalty counts and `process_samples`)."""
         return [r for r, part in zip(self.reqs, self.batch.reqs, strict=True) if part.sample]

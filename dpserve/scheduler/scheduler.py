@@ -210,12 +210,6 @@ class Scheduler:
         req = self.reqs.get(rid)
         return req if req is not None and req.status is ReqStatus.AWAITING_KV else None
 
-    def window_slots(self, req: Req) -> list[int]:
-        """The window slots `req` holds (of its positions from `window_lo`); none without the hybrid
-        pool. Under disaggregation: the prompt's last W - 1 positions, what the first decode step's
-        window queries read, sent by one side and received by the other."""
-        return self.kv.window_slots(req)
-
     def free_limbo(self, rid: str) -> None:
         """Decode: the prefill side will not write into the ended request `rid`'s slots any more."""
         self.kv.free(*self.limbo.take(rid))
@@ -253,7 +247,7 @@ class Scheduler:
         batch = step.batch
         ready = self.sending.ready()
         step.sends = [rid for rid, _, _ in ready]
-        batch.sends = [KVSend(req.slots, dest, self.window_slots(req)) for _, req, dest in ready]
+        batch.sends = [KVSend(req.slots, dest, self.kv.window_slots(req)) for _, req, dest in ready]
         if step.prefilled:
             batch.kind = BatchKind.EXTEND
         elif decoding:

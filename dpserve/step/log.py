@@ -70,8 +70,7 @@ class StepLog:
         return record.expert_imbalance
 
     def take(self) -> list[StepRecord]:
-        """Every record so far (the pending one completed), then forgotten."""
-        self.complete()
+        """Every logged record (`complete` the pending one first), then forgotten."""
         out = list(self.records)
         self.records.clear()
         return out

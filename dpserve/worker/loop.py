@@ -242,7 +242,7 @@ class Worker:
     def _ask_prefill(self, step: ScheduledStep) -> None:
         """Decode leader: where the requests admitted in `step` want their KV."""
         for req in step.reserved:
-            dest = self.sender.destination(req.slots, self.scheduler.window_slots(req))
+            dest = self.sender.destination(req.slots, self.scheduler.kv.window_slots(req))
             self.link.request(req.rid, req.bootstrap, dest)
 
     def _finish_step(
@@ -251,7 +251,7 @@ class Worker:
         step: ScheduledStep | None,  # the leader's; None on the other ranks
         layout: StepLayout,
         logits: torch.Tensor,
-        kind: str,
+        kind: BatchKind,
         start: float,
     ) -> None:
         """5. The leader samples; NEXTN drafts on every rank; the leader logs the step."""
@@ -351,7 +351,7 @@ class Worker:
                 case GetExpertLoad():
                     self.out.send_pyobj(ExpertLoad(self.dp_rank, self.expert_load.take()))
                 case GetStepLog():
-                    self._imbalance_logged(self.step_log.complete())
+                    self._imbalance_logged(self.step_log.complete())  # the pending record first
                     self.out.send_pyobj(StepRecords(self.dp_rank, self.step_log.take()))
                 case FlushCache():
                     self.scheduler.flush_cache()
