@@ -217,6 +217,13 @@ class EngineConfig:
         "turn off the radix prefix cache of each DP group (on by default: a prompt's cached "
         "beginning is not prefilled again; unused entries are evicted LRU when memory is short)",
     )
+    disable_overlap_schedule: bool = option(
+        False,
+        "run each step's host work after its forward instead of beside it. With overlap scheduling "
+        "(SGLang's default) a group leader processes the previous step's samples while the forward "
+        "runs, and the next step's decode inputs take the sampled tokens on the device. Speculative "
+        "decoding runs the sequential loop: a verify step's accepted tokens decide the next step",
+    )
     swa_full_tokens_ratio: float = option(
         0.8,
         "sliding-window models (gpt-oss): KV tokens of each window layer's pool over those of each full "
@@ -544,6 +551,11 @@ class EngineConfig:
     def nextn(self) -> bool:
         """Whether NEXTN (the checkpoint's MTP layers) drafts tokens."""
         return self.speculative_algorithm == "NEXTN"
+
+    @property
+    def overlap_schedule(self) -> bool:
+        """Whether the ranks overlap a step's host work with its forward (not under speculation)."""
+        return not self.disable_overlap_schedule and self.speculative_algorithm is None
 
     @property
     def num_drafts(self) -> int:

@@ -151,6 +151,14 @@ def all_to_all(
     return out
 
 
+def broadcast(x: torch.Tensor, src: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """`x` of global rank `src` on every rank of `group` (in place; not counted in `SENT`: step data,
+    not the forward's)."""
+    if group is not None:
+        dist.broadcast(x, src=src, group=group)
+    return x
+
+
 def broadcast_object(obj: object, src: int, group: dist.ProcessGroup | None) -> object:
     """Sends a picklable object from global rank `src` to every rank of `group`."""
     if group is None:

@@ -55,7 +55,8 @@ GB = 1e9
 GPU_ASSUMPTIONS = (
     "achievable: 75% of memory bandwidth, 60% of dense bf16 FLOPs; NCCL: 10 us per collective inside "
     "a node, 25 us across nodes, 70% of link bandwidth; 60 us of kernel launches per layer inside a "
-    "CUDA graph; 1.5 ms of host work per step (dpserve schedules between steps, no overlap); an "
+    "CUDA graph; 1.5 ms of host work per step, counted whole (overlap scheduling puts most of it beside "
+    "the forward; unmeasured on a GPU so far); an "
     "unpadded all_to_all step waits 50 us per MoE layer for the exchanged counts on the host"
 )
 

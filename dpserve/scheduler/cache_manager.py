@@ -137,7 +137,10 @@ class CacheManager:
         req.node, req.cached_len = node, len(tokens)
 
     def release(self, req: Req) -> None:
-        """Gives back `req`'s KV: into the prefix cache (which then may evict it), its own copies freed."""
+        """Gives back `req`'s KV: into the prefix cache (which then may evict it), its own copies freed.
+        A position past its last token (overlap scheduling ran a step after its end) is freed."""
+        if req.kv_len > req.seq_len:
+            self.free_rejected(req, req.seq_len)
         self._trim(req, req.kv_len)
         self.cache(req)
         self.tree.unlock(req.node)

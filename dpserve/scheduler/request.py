@@ -57,6 +57,10 @@ class Req:
     window_lo: int = 0  # hybrid sliding-window pool: it holds the window slots of positions from here
     drafts: list[int] = field(default_factory=list)  # speculative tokens verified in this step
     proposed: list[int] = field(default_factory=list)  # NEXTN: the MTP's drafts for its next step
+    # Scheduled steps that sample its next tokens and whose samples are not processed yet: 0 when a
+    # step is scheduled in the sequential loop; under overlap scheduling 1 then (the step before),
+    # 2 from the end of scheduling one step to the processing of the one before.
+    in_flight: int = 0
     # Accounting:
     cached_tokens: int | None = None  # prompt tokens found in the cache at first admission
     retractions: int = 0
@@ -87,6 +91,11 @@ class Req:
     @property
     def prefill_done(self) -> bool:
         return self.table_row > 0 and self.kv_len >= self.prefill_len
+
+    @property
+    def ending(self) -> bool:
+        """Whether the token in flight is its last (its length ends it): it takes no step more."""
+        return self.in_flight > 0 and self.remaining_new_tokens <= 1
 
     @property
     def remaining_new_tokens(self) -> int:

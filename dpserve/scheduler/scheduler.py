@@ -44,7 +44,7 @@ from dpserve.scheduler.cache_manager import CacheManager
 from dpserve.scheduler.request import GenerateRequest, Req, ReqStatus, max_kv_len
 from dpserve.scheduler.scheduled import ScheduledStep
 from dpserve.speculative.ngram import propose_ngram
-from dpserve.step.records import BatchKind, BatchReq, KVSend
+from dpserve.step.records import PENDING_TOKEN, BatchKind, BatchReq, KVSend
 
 logger = logging.getLogger(__name__)
 
@@ -221,7 +221,8 @@ class Scheduler:
         decoding request's token and drafts."""
         step = ScheduledStep()
         decoding = self._make_room(
-            step, [r for r in self.running if r.prefill_done and r.status is ReqStatus.RUNNING]
+            step,
+            [r for r in self.running if r.prefill_done and r.status is ReqStatus.RUNNING and not r.ending],
         )
         budget = self.chunk_size
         for req in [r for r in self.running if not r.prefill_done]:  # a chunked prompt continues first
@@ -229,7 +230,7 @@ class Scheduler:
         for req in list(self.waiting):  # in order; those whose grammar is being compiled wait aside
             if budget <= 0 or len(self.running) + len(self.sending) >= self.max_running:
                 break
-            if not self._grammar_ready(step, req):
+            if req.in_flight or not self._grammar_ready(step, req):  # retracted, its token still coming
                 continue
             if not self._admit(step, req, reserved=len(decoding)):
                 break
@@ -258,13 +259,18 @@ class Scheduler:
             )
         elif batch.reqs:
             self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+        for req in step.sampled:
+            req.in_flight += 1
+        for req in step.prefilled:  # later steps may start on them: their KV is written before they run
+            self.kv.cache(req)
         return step
 
     def _add_decode(self, step: ScheduledStep, req: Req, spare: int) -> int:
-        """Adds a decoding request's last token and its drafts (up to `spare` of them); returns the
-        drafts added."""
+        """Adds a decoding request's last token (the one in flight, if the step before samples it) and
+        its drafts (up to `spare` of them); returns the drafts added."""
         req.drafts = self._propose(req, spare)
-        start, tokens = req.kv_len, [req.output_ids[-1], *req.drafts]
+        last = PENDING_TOKEN if req.in_flight else req.output_ids[-1]
+        start, tokens = req.kv_len, [last, *req.drafts]
         prefix, slots, window_slots = self.kv.extend(req, len(tokens))
         step.batch.reqs.append(
             BatchReq(req.table_row, start, tokens, slots, True, prefix, bool(req.drafts), window_slots)
@@ -322,7 +328,9 @@ class Scheduler:
         """Retracts running requests until every request in `decoding` can get its slot this step;
         returns those still running."""
         while self.kv.available < len(decoding):
-            victims = [r for r in self.running if not r.protected and r.status is ReqStatus.RUNNING]
+            victims = [
+                r for r in self.running if not r.protected and r.status is ReqStatus.RUNNING and not r.ending
+            ]
             if not victims:  # protected requests' whole needs fit the pool together (see _admit)
                 raise RuntimeError(f"dp_rank {self.dp_rank}: {len(decoding)} decode slots cannot be found")
             victim = min(victims, key=lambda r: (len(r.output_ids), -len(r.input_ids)))
@@ -420,14 +428,17 @@ class Scheduler:
         next token), in order and none past a finish; frees the KV of rejected drafts; counts them for
         the penalties of requests still running; returns the tokens and the outputs of the requests that finished. Freshly prefilled prompts go
         into the prefix cache. A request the sampler could not go on with (`errors`) ends there, as
-        an abort its caller sees as a 400 naming the cause."""
-        for req in step.prefilled:
-            self.kv.cache(req)
+        an abort its caller sees as a 400 naming the cause. Under overlap scheduling the next step
+        was scheduled meanwhile: a request that ended since (aborted, or its previous token ended it)
+        drops its token; one retracted since keeps it (it prefills it when it resumes)."""
         new, finished = [], []
         top_logprobs = top_logprobs or [[[] for _ in t] for t in tokens]
         errors = errors or [None] * len(tokens)
         steps = zip(step.sampled, tokens, logprobs, top_logprobs, errors, strict=True)
         for req, toks, lps, tops, error in steps:
+            req.in_flight -= 1
+            if req.status is ReqStatus.FINISHED:
+                continue
             reason, emitted = None, 0
             for tok, lp, top in zip(toks, lps, tops, strict=True):
                 if not self._grammar_accepts(req, tok):  # its mask allowed it: never, unless a bug
@@ -442,7 +453,11 @@ class Scheduler:
                 reason = Abort(error, 400)
             self.counters["spec_accepted_tokens"] += max(0, min(emitted, len(toks) - 1))  # drafts among them
             self._free_rejected(req, emitted)
-            held = req.bootstrap is not None and self.disaggregation == "prefill"
+            held = (
+                req.bootstrap is not None
+                and self.disaggregation == "prefill"
+                and req.status is ReqStatus.RUNNING
+            )
             if reason is not None and held and not isinstance(reason, Abort):  # its KV goes to decode first
                 self.running.remove(req)
                 self.sending.hold(req.rid, req, reason)
@@ -458,8 +473,8 @@ class Scheduler:
         """Frees the KV of the drafts a verify step rejected: that of every token but the last is kept.
         A request that emitted nothing (a sampling error) keeps its last token's KV too: the prefix
         cache may hold it already."""
-        keep = req.seq_len - 1 if emitted else min(req.kv_len, req.seq_len)
-        if keep < req.kv_len:
+        if req.drafts:  # (nothing else is rejected: under overlap scheduling the next step's slot stays)
+            keep = req.seq_len - 1 if emitted else req.seq_len
             self.kv.free_rejected(req, keep)
         req.drafts = []
 

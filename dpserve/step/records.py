@@ -43,6 +43,11 @@ class PaddingMode(StrEnum):
     MAX_LEN = "max_len"  # each group's rows padded to the largest group's: dp x max rows
 
 
+# A decode token the previous step is still sampling (overlap scheduling): every rank of the group
+# takes it from the sampled tokens on the device (`ModelRunner.keep_samples`) when it builds the inputs.
+PENDING_TOKEN = -1
+
+
 def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 

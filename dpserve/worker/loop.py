@@ -7,12 +7,16 @@
 4. the forward joins every WORLD collective, idle groups with zero rows;
 5. the leader samples, updates its requests and reports to the front end
    (NEXTN then drafts: the same share / exchange / forward for the MTP layer).
+
+Overlap scheduling (the default; docs/design.md, section 11) processes step N's samples after step
+N + 1's forward is launched: the leader schedules N + 1 with N's tokens pending on the device.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 import zmq
@@ -20,7 +24,7 @@ import zmq
 from dpserve.config import EngineConfig
 from dpserve.disagg.bootstrap import DecodeLink
 from dpserve.disagg.kv_sender import KVSender
-from dpserve.distributed import Groups, init_groups
+from dpserve.distributed import Groups, broadcast, init_groups
 from dpserve.eplb.load import LoadCounter
 from dpserve.eplb.rebalance import Rebalancer
 from dpserve.grammar import GrammarCache
@@ -50,11 +54,11 @@ from dpserve.scheduler.scheduler import Scheduler
 from dpserve.step.exchange import exchange, share
 from dpserve.step.log import StepLog, StepRecord
 from dpserve.step.padding import calibrate
-from dpserve.step.records import BatchKind, DraftBatch, GroupBatch, StepLayout
+from dpserve.step.records import PENDING_TOKEN, BatchKind, DraftBatch, GroupBatch, StepLayout
 from dpserve.worker.channels import Heartbeat, WorkerAddresses
 from dpserve.worker.drafter import NextNDrafter, draft_batch
-from dpserve.worker.model_runner import ModelRunner
-from dpserve.worker.sampler import sample
+from dpserve.worker.model_runner import ForwardTime, ModelRunner, elapsed
+from dpserve.worker.sampler import SampleLaunch, Samples, launch_sample
 from dpserve.worker.sampling_batch import count_tokens, follow_counts, sampling_inputs
 from dpserve.worker.token_counts import TokenCounts
 
@@ -94,6 +98,7 @@ class Worker:
         if cfg.dp_padding_mode == "auto" and topo.dp_size > 1:
             runner.policy.cost = calibrate(runner.idle_step, topo, device, self.groups.world_cpu)
         self.drafter = self._drafter(cfg, model_cfg)
+        self.overlap = cfg.overlap_schedule
         self.out, self.scheduler, self.requests = out, None, None
         self.sender, self.link = None, None
         if cfg.disaggregation_mode != "null":
@@ -172,6 +177,7 @@ class Worker:
 
     def serve(self) -> None:
         idle, shutdown = True, False
+        launched: Launched | None = None  # overlap scheduling: the step whose samples are not processed
         while True:
             start = time.perf_counter()
             self.heartbeat.step_start = time.monotonic()
@@ -202,12 +208,22 @@ class Worker:
             if any(s.shutdown for s in sizes):
                 break
             idle = not any(s.tokens for s in sizes)
+            current = None
             if not idle:
                 layout = self.runner.policy.step_layout(sizes)
-                logits = self.runner.forward(batch, layout)  # 4. the forward
-                self._finish_step(
-                    batch, step, layout, logits, BatchKind.largest([s.kind for s in sizes]), start
-                )
+                logits = self.runner.forward(batch, layout)  # 4. the forward (on a GPU: queued)
+                kind = BatchKind.largest([s.kind for s in sizes])
+                current = Launched(batch, step, layout, kind, start, self.runner.forward_time)
+            if launched is not None:  # overlap: the step before's samples, while this forward runs
+                self._process(launched)
+                self._record(launched)
+            launched = None
+            if current is not None:
+                self._finish_step(current, logits)  # 5. sampling, then drafts and the experts' load
+                if self.overlap:
+                    launched = current
+                else:
+                    self._record(current)
             if self.scheduler is not None and (self.report.changed or batch.reqs):
                 self.out.send_pyobj(self.report.message(self._stats()))
         self.heartbeat.step_start = None
@@ -245,21 +261,17 @@ class Worker:
             dest = self.sender.destination(req.slots, self.scheduler.kv.window_slots(req))
             self.link.request(req.rid, req.bootstrap, dest)
 
-    def _finish_step(
-        self,
-        batch: GroupBatch,
-        step: ScheduledStep | None,  # the leader's; None on the other ranks
-        layout: StepLayout,
-        logits: torch.Tensor,
-        kind: BatchKind,
-        start: float,
-    ) -> None:
-        """5. The leader samples; NEXTN drafts on every rank; the leader logs the step."""
-        s = self.scheduler
+    def _finish_step(self, launched: Launched, logits: torch.Tensor) -> None:
+        """5. The leader samples (under overlap scheduling every rank of the group keeps the tokens
+        for the next step's inputs, and the samples are processed during the next forward); NEXTN
+        drafts on every rank; every rank counts the experts' load."""
+        s, batch, step = self.scheduler, launched.batch, launched.step
         if s is not None and batch.reqs:
-            new, finished = s.process_samples(step, *self._sample(step, logits))
-            count_tokens(self.token_counts, new)
-            self.report.add(new, finished)
+            launched.samples = self._sample(step, logits)
+        if self.overlap and batch.num_logit_rows:
+            self._keep_samples(launched)
+        if not self.overlap:
+            self._process(launched)
         if self.drafter is not None:
             mine, drafting = draft_batch(step) if s is not None and batch.reqs else (DraftBatch(), [])
             drafted = share(mine if s is not None else None, self.groups)
@@ -269,46 +281,74 @@ class Worker:
                 s.set_drafts(drafting, drafts)
         load = self.runner.take_expert_load()  # on the device; every rank: a collective under all_to_all
         # Rows per logical expert, read before a rebalance changes the slots.
-        rows = None if load is None else self.expert_load.expert_rows(load)
-        rebalance = None
+        launched.load = load
+        launched.rows = None if load is None else self.expert_load.expert_rows(load)
         if self.eplb is not None:  # every rank, at the same step boundary
-            rebalance = self.eplb.step(rows)
-        if s is None:
+            launched.rebalance = self.eplb.step(launched.rows)
+        if s is not None and launched.rebalance is not None:
+            self._report_rebalance(launched.rebalance)
+        launched.slots_written, launched.comm_bytes = self.runner.slots_written, self.runner.comm_bytes
+        launched.draft_seconds = self.drafter.seconds if self.drafter else 0.0
+        launched.end = time.perf_counter()
+
+    def _keep_samples(self, launched: Launched) -> None:
+        """Overlap scheduling: the step's sampled tokens on every rank of the group, by table row."""
+        batch = launched.batch
+        if launched.samples is not None:
+            tokens = launched.samples.row_tokens
+        else:
+            tokens = torch.empty(batch.num_logit_rows, dtype=torch.long, device=self.runner.device)
+        topo = self.groups.topo
+        tokens = broadcast(tokens, topo.dp_rank * topo.attn_tp_size, self.groups.attn_tp)
+        self.runner.keep_samples([r.table_row for r in batch.reqs if r.sample], tokens)
+
+    def _process(self, launched: Launched) -> None:
+        """The leader takes a step's samples into its requests and reports them."""
+        if self.scheduler is None or not launched.batch.reqs:
             return
-        if rebalance is not None:
-            self._report_rebalance(rebalance)
+        samples = launched.samples.result() if launched.samples is not None else Samples([], [], [], [])
+        new, finished = self.scheduler.process_samples(launched.step, *samples)
+        count_tokens(self.token_counts, new)
+        self.report.add(new, finished)
+
+    def _record(self, launched: Launched) -> None:
+        """The leader logs a step, its samples processed (a GPU's forward is done by then)."""
+        if self.scheduler is None:
+            return
+        layout = launched.layout
         self.step_counts["steps_padded" if layout.padded else "steps_eager"] += 1
         record = StepRecord(
-            kind=kind,
-            local_mode=batch.kind,
+            kind=launched.kind,
+            local_mode=launched.batch.kind,
             padding_mode=layout.padding_mode,
             tokens=layout.tokens,
             mlp_rows=layout.mlp_rows,
-            seconds=time.perf_counter() - start,
-            forward_seconds=self.runner.forward_seconds,
+            seconds=launched.end - launched.start,
+            forward_seconds=elapsed(launched.forward_time),
             real_rows=layout.total_tokens,
             padded=layout.padded,
-            retractions=step.retractions,
-            slots_written=self.runner.slots_written,
-            draft_seconds=self.drafter.seconds if self.drafter else 0.0,
-            comm_bytes=self.runner.comm_bytes,
+            retractions=launched.step.retractions,
+            slots_written=launched.slots_written,
+            draft_seconds=launched.draft_seconds,
+            comm_bytes=launched.comm_bytes,
             logit_rows=layout.logit_rows,
-            rebalance=rebalance,
+            rebalance=launched.rebalance,
+            pending_tokens=sum(r.tokens[0] == PENDING_TOKEN for r in launched.batch.reqs),
         )
         imbalance = None
-        if load is not None:
-            self.expert_load.add(rows)  # the leader's, for GetExpertLoad
-            imbalance = self.expert_load.imbalance(load)
+        if launched.load is not None:
+            self.expert_load.add(launched.rows)  # the leader's, for GetExpertLoad
+            imbalance = self.expert_load.imbalance(launched.load)
         self._imbalance_logged(self.step_log.append(record, imbalance))
 
-    def _sample(self, step: ScheduledStep, logits: torch.Tensor) -> tuple:
-        """The leader's samples of the step's logits rows (none when no request samples)."""
+    def _sample(self, step: ScheduledStep, logits: torch.Tensor) -> SampleLaunch | None:
+        """The leader's samples of the step's logits rows (None when no request samples)."""
         if not step.batch.num_logit_rows:
-            return [], [], [], []
+            return None
         s = self.scheduler
         follow_counts(self.token_counts, s.running, step.sampled)
         i = sampling_inputs(step.sampled, self.token_counts, s.vocab_size, s.eos_ids)
-        return sample(logits, i.params, i.keys, i.drafts, i.penalties, i.grammar)
+        return launch_sample(logits, i.params, i.keys, i.drafts, i.penalties, i.grammar)
 
     def _report_rebalance(self, rebalance: Rebalance) -> None:
         logger.info(
@@ -360,6 +400,26 @@ class Worker:
             if output is not None:
                 self.report.finished.append(output)
         return shutdown
+
+
+@dataclass
+class Launched:
+    """A step whose forward ran (on a GPU: is queued), from its sampling to its step record."""
+
+    batch: GroupBatch
+    step: ScheduledStep | None  # the leader's; None on the other ranks
+    layout: StepLayout
+    kind: BatchKind  # the largest over the groups
+    start: float
+    forward_time: ForwardTime
+    samples: SampleLaunch | None = None  # the leader's, when any request samples
+    load: torch.Tensor | None = None  # MoE: rows per expert slot, over every group (on the device)
+    rows: torch.Tensor | None = None  # ... per logical expert
+    rebalance: Rebalance | None = None
+    slots_written: int = 0
+    comm_bytes: int = 0
+    draft_seconds: float = 0.0
+    end: float = 0.0  # when its sampling, drafting and load counting were done
 
 
 class ReportBuilder:

@@ -27,13 +27,13 @@ from dpserve.memory import (
     release_freed_host_memory,
 )
 from dpserve.models.base import CausalLM
-from dpserve.models.batch import ForwardBatch
+from dpserve.models.batch import ForwardBatch, stage
 from dpserve.models.config import ModelConfig
 from dpserve.models.loader import BlockScales, load_weights
 from dpserve.models.registry import build_model
 from dpserve.scheduler.scheduler import largest_step
 from dpserve.step.padding import PaddingPolicy
-from dpserve.step.records import BatchKind, BatchReq, GroupBatch, PaddingMode, StepLayout
+from dpserve.step.records import PENDING_TOKEN, BatchKind, BatchReq, GroupBatch, PaddingMode, StepLayout
 from dpserve.worker.compile import CompiledDecode
 from dpserve.worker.graph_runner import CudaGraphRunner
 
@@ -55,6 +55,20 @@ def load_model(cfg: EngineConfig, model_cfg: ModelConfig, groups: Groups, device
     load_weights(model.weights(), cfg.model_path, show_progress=groups.topo.rank == 0, quantized=quantized)
     release_freed_host_memory()
     return model
+
+
+# The model's time in a forward: seconds on the CPU; on a GPU its start and end events, read once
+# the step's results are on the host (no synchronisation of its own).
+ForwardTime = float | tuple[torch.cuda.Event, torch.cuda.Event]
+
+
+def elapsed(timing: ForwardTime) -> float:
+    """Seconds of a forward's model time (on a GPU, once its end event is reached)."""
+    if isinstance(timing, float):
+        return timing
+    start, end = timing
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
 
 
 def peak_step(cfg: EngineConfig, context_len: int) -> GroupBatch:
@@ -93,9 +107,11 @@ class ModelRunner:
         )
         self.activation_bytes = 0
         self.slots_written = 0  # request-to-slot entries the last step wrote
-        self._forward_time: float | list[torch.cuda.Event] = 0.0  # see forward_seconds
+        self.forward_time: ForwardTime = 0.0  # the model's part of the last step (`elapsed`)
         self.comm_bytes = 0  # bytes this rank sent in the last step's forward (collectives, LM head included)
         self.hidden: torch.Tensor | None = None  # NEXTN: the last step's hidden states
+        # Overlap scheduling: each table row's token sampled last, for the next step's pending tokens.
+        self.sampled_tokens = torch.zeros(cfg.running_per_group + 1, dtype=torch.long, device=device)
         # A decode step whose longest request exceeds what a graph's attention reads runs unpadded.
         max_kv_len = min(model_cfg.context_len, self.model.attn_backend.graph_max_kv_len or 1 << 62)
         self.policy = PaddingPolicy(cfg.dp_padding_mode, cfg.graph_buckets, self.topo, max_kv_len)
@@ -242,18 +258,16 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden, inputs)
         for e in events[1:]:
             e.record()
-        self._forward_time = events or time.perf_counter() - start
+        self.forward_time = tuple(events) or time.perf_counter() - start
         self.comm_bytes = SENT.total - sent
         return logits
 
-    @property
-    def forward_seconds(self) -> float:
-        """The model's part of the last step (the rest is host work)."""
-        if isinstance(self._forward_time, float):
-            return self._forward_time
-        start, end = self._forward_time
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
+    def keep_samples(self, table_rows: list[int], tokens: torch.Tensor) -> None:
+        """Overlap scheduling: the tokens a step sampled for these table rows (on the device, on every
+        rank of the group), which the next step's `PENDING_TOKEN`s stand for."""
+        if table_rows:
+            rows = stage({"rows": table_rows}, self.device)["rows"]
+            self.sampled_tokens[rows] = tokens
 
     def take_expert_load(self) -> torch.Tensor | None:
         """Rows routed to each expert of each MoE layer since the last call, over every group
@@ -306,7 +320,7 @@ class ModelRunner:
                 [len(r.tokens) for r in reqs],
                 [r.seq_len for r in reqs],
             )
-        return ForwardBatch.build(
+        inputs = ForwardBatch.build(
             layout,
             self.req_to_token,
             [t for r in reqs for t in r.tokens] + [0] * pad,
@@ -320,6 +334,15 @@ class ModelRunner:
             table_writes=(rows, cols, slots),
             window=self._window_inputs(reqs, pad),
         )
+        pending = [
+            (end - len(r.tokens), r.table_row)
+            for r, end in zip(reqs, ends, strict=True)
+            if r.tokens[0] == PENDING_TOKEN
+        ]
+        if pending:  # decode tokens the previous step sampled: taken on the device, never read back
+            t = stage({"at": [i for i, _ in pending], "rows": [row for _, row in pending]}, self.device)
+            inputs.input_ids[t["at"]] = self.sampled_tokens[t["rows"]]
+        return inputs
 
     def _window_inputs(self, reqs: list[BatchReq], pad: int) -> tuple | None:
         """The hybrid pool's table, the new tokens' window slots, and the table entries to write."""

@@ -56,16 +56,22 @@ NO_TOKEN = (
 )
 
 
-def sample(
+def sample(*args, **kwargs) -> Samples:
+    """`launch_sample(...)` (its arguments) read back at once (`SampleLaunch.result`)."""
+    return launch_sample(*args, **kwargs).result()
+
+
+def launch_sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
     keys: list[tuple[int, int]],
     drafts: list[list[int]] | None = None,
     penalties: Penalties | None = None,
     grammar: GrammarMask | None = None,
-) -> Samples:
-    """Chooses each request's new tokens, with their log-probabilities under the model's
-    distribution (before penalties and filters) and the top alternatives asked for.
+) -> SampleLaunch:
+    """Chooses each request's new tokens on the device, with their log-probabilities under the
+    model's distribution (before penalties and filters) and the top alternatives asked for; the
+    host reads them with `SampleLaunch.result()`.
 
     Request i owns 1 + len(drafts[i]) consecutive rows of `logits` (its last token and its drafts,
     verified in one step) and gets 1 to 1 + len(drafts[i]) tokens: greedy keeps the longest prefix
@@ -94,14 +100,48 @@ def sample(
         ]
     t = stage(ints, logits.device, floats)
     counts = penalties.counts if adjusting and penalties else None
-    flat = _choose(logits, t, adjusting, counts, grammar, len(sampled), top_n)
-    n = starts[-1]
-    accepted_of = dict(zip(sampled, (int(x) for x in flat[3 * n : 3 * n + len(sampled)]), strict=True))
-    tokens, lps, errors = _emitted(params, drafts, starts, flat[: 3 * n], accepted_of)
-    top: list[list[list[tuple[int, float]]]] = [[[] for _ in toks] for toks in tokens]
-    if top_n:
-        _fill_top(top, flat[3 * n + len(sampled) :], ints["top_rows"], starts, params, top_n)
-    return Samples(tokens, lps, top, errors)
+    flat, row_tokens = _choose(logits, t, adjusting, counts, grammar, len(sampled), top_n)
+    return SampleLaunch(flat, row_tokens, params, drafts, starts, sampled, ints.get("top_rows", []), top_n)
+
+
+class SampleLaunch:
+    """One step's samples on the device. `row_tokens` is every logits row's token there (overlap
+    scheduling feeds it to the next step's inputs without waiting for it); `result()` reads the
+    samples on the host: the step's one sync, which a GPU's copy to pinned memory lets the host put
+    off while later work is queued."""
+
+    def __init__(
+        self,
+        flat: torch.Tensor,
+        row_tokens: torch.Tensor,
+        params: list[SamplingParams],
+        drafts: list[list[int]],
+        starts: list[int],
+        sampled: list[int],
+        top_rows: list[int],
+        top_n: int,
+    ):
+        self.row_tokens = row_tokens
+        self._host, self._copied = flat, None
+        if flat.is_cuda:
+            self._host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+            self._host.copy_(flat, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        self._params, self._drafts, self._starts = params, drafts, starts
+        self._sampled, self._top_rows, self._top_n = sampled, top_rows, top_n
+
+    def result(self) -> Samples:
+        if self._copied is not None:
+            self._copied.synchronize()
+        flat = self._host.tolist()
+        params, starts, sampled, n = self._params, self._starts, self._sampled, self._starts[-1]
+        accepted_of = dict(zip(sampled, (int(x) for x in flat[3 * n : 3 * n + len(sampled)]), strict=True))
+        tokens, lps, errors = _emitted(params, self._drafts, starts, flat[: 3 * n], accepted_of)
+        top: list[list[list[tuple[int, float]]]] = [[[] for _ in toks] for toks in tokens]
+        if self._top_n:
+            _fill_top(top, flat[3 * n + len(sampled) :], self._top_rows, starts, params, self._top_n)
+        return Samples(tokens, lps, top, errors)
 
 
 def _choose(
@@ -112,10 +152,10 @@ def _choose(
     grammar: GrammarMask | None,
     sampled: int,
     top_n: int,
-) -> list[float]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """On the device: every row's token, its logprob under the model and whether any token could
     be sampled, then the sampled requests' accepted drafts, then the top alternatives (values, ids),
-    brought back in one transfer."""
+    in one tensor to bring back in one transfer; and every row's token."""
     logits = logits.float()
     logprobs = logits.log_softmax(-1)
     if adjusting:
@@ -133,7 +173,7 @@ def _choose(
     if top_n:
         values, ids = logprobs[t["top_rows"]].topk(top_n)
         parts += [values.double().flatten(), ids.double().flatten()]
-    return torch.cat(parts).tolist()  # the one transfer back
+    return torch.cat(parts), tok
 
 
 def _draw(

@@ -9,7 +9,7 @@ from itertools import accumulate
 from dpserve.grammar import token_bitmask
 from dpserve.messages import TokenOut
 from dpserve.sampling_params import SamplingParams
-from dpserve.scheduler.request import Req
+from dpserve.scheduler.request import Req, ReqStatus
 from dpserve.worker.sampler import GrammarMask, Penalties
 from dpserve.worker.token_counts import TokenCounts
 
@@ -57,8 +57,8 @@ def follow_counts(counts: TokenCounts, running: list[Req], sampled: list[Req]) -
     live = {r.rid for r in running}
     for rid in [rid for rid in counts.rows if rid not in live]:
         counts.release(rid)
-    for req in sampled:
-        if req.params.penalized and req.rid not in counts.rows:
+    for req in sampled:  # (one that ended since its step was scheduled samples what nobody reads)
+        if req.params.penalized and req.rid not in counts.rows and req.status is not ReqStatus.FINISHED:
             counts.acquire(req.rid, req.input_ids, req.output_ids)
 
 
@@ -77,7 +77,7 @@ def grammar_mask(reqs: list[Req], vocab_size: int) -> GrammarMask | None:
     starts = [0, *accumulate(1 + len(r.drafts) for r in reqs)]
     bitmask, rows = token_bitmask(starts[-1], vocab_size), []
     for req, start, end in zip(reqs, starts, starts[1:], strict=False):
-        if req.matcher is None:
+        if req.matcher is None or req.status is ReqStatus.FINISHED:
             continue
         drafts = req.drafts
         if req.grammar_after is not None:
