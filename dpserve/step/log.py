@@ -34,9 +34,11 @@ class StepRecord:
     comm_bytes: int = 0  # bytes the leader sent in the step's forward (collectives; NEXTN's drafts not)
     logit_rows: tuple[int, ...] = ()  # rows sampled by every DP group (what the LM head moves)
     rebalance: Rebalance | None = None  # --enable-eplb: the rebalance that ended after this step
-    pending_tokens: int = (
-        0  # overlap scheduling: decode tokens it took from the step before's samples on the device
-    )
+    # Host time taking its samples into the requests (process_samples, the report's tokens): under
+    # overlap scheduling beside the next step's forward, otherwise part of `seconds`.
+    process_seconds: float = 0.0
+    # Overlap scheduling: decode tokens it took from the step before's samples on the device.
+    pending_tokens: int = 0
 
 
 class StepLog:

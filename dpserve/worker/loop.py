@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import zmq
@@ -70,6 +73,7 @@ IDLE_WAIT_MS = 500
 GRAMMAR_POLL_MS = 2
 
 logger = logging.getLogger("dpserve.worker")
+T = TypeVar("T")
 
 
 class Worker:
@@ -99,6 +103,10 @@ class Worker:
             runner.policy.cost = calibrate(runner.idle_step, topo, device, self.groups.world_cpu)
         self.drafter = self._drafter(cfg, model_cfg)
         self.overlap = cfg.overlap_schedule
+        # The CPU runs a forward where it is called: the host work goes beside it on a thread.
+        self.host_thread = None
+        if self.overlap and device.type == "cpu" and topo.is_group_leader:
+            self.host_thread = ThreadPoolExecutor(1, "host")
         self.out, self.scheduler, self.requests = out, None, None
         self.sender, self.link = None, None
         if cfg.disaggregation_mode != "null":
@@ -208,17 +216,22 @@ class Worker:
             if any(s.shutdown for s in sizes):
                 break
             idle = not any(s.tokens for s in sizes)
-            current = None
-            if not idle:
+            if not idle:  # 4. the forward
                 layout = self.runner.policy.step_layout(sizes)
-                logits = self.runner.forward(batch, layout)  # 4. the forward (on a GPU: queued)
-                kind = BatchKind.largest([s.kind for s in sizes])
-                current = Launched(batch, step, layout, kind, start, self.runner.forward_time)
-            if launched is not None:  # overlap: the step before's samples, while this forward runs
-                self._process(launched)
+            processed = None
+            if launched is not None:  # overlap: the step before's samples, beside this forward
+                processed = self._beside(self._process, launched)
+            if not idle:
+                logits = self.runner.forward(batch, layout)  # (on a GPU: queued)
+            if launched is not None:
+                new = processed.result()
+                if new:
+                    count_tokens(self.token_counts, new)
                 self._record(launched)
-            launched = None
-            if current is not None:
+            launched = current = None
+            if not idle:
+                current = Launched(batch, step, layout, BatchKind.largest([s.kind for s in sizes]), start)
+                current.forward_time = self.runner.forward_time
                 self._finish_step(current, logits)  # 5. sampling, then drafts and the experts' load
                 if self.overlap:
                     launched = current
@@ -234,8 +247,21 @@ class Worker:
             self.link.close()
         if self.sender is not None:
             self.sender.close()
+        if self.host_thread is not None:
+            self.host_thread.shutdown()
         if self.groups.world is not None:
             torch.distributed.destroy_process_group()
+
+    def _beside(self, fn: Callable[..., T], *args) -> Future[T]:
+        """Host work `fn(*args)` beside the forward that follows: here on a GPU (the forward is
+        queued, not run, by the calls after it), on the rank's host thread on the CPU (which runs the
+        forward where it is called; the thread does Python work, no large op, so that one thread's
+        OpenMP workers alone use the cores)."""
+        if self.host_thread is not None:
+            return self.host_thread.submit(fn, *args)
+        done: Future[T] = Future()
+        done.set_result(fn(*args))
+        return done
 
     def _hear_prefill(self) -> None:
         """Decode leader: requests whose KV arrived start decoding; those whose KV will not come fail;
@@ -270,8 +296,8 @@ class Worker:
             launched.samples = self._sample(step, logits)
         if self.overlap and batch.num_logit_rows:
             self._keep_samples(launched)
-        if not self.overlap:
-            self._process(launched)
+        if not self.overlap and s is not None:
+            count_tokens(self.token_counts, self._process(launched))
         if self.drafter is not None:
             mine, drafting = draft_batch(step) if s is not None and batch.reqs else (DraftBatch(), [])
             drafted = share(mine if s is not None else None, self.groups)
@@ -302,14 +328,17 @@ class Worker:
         tokens = broadcast(tokens, topo.dp_rank * topo.attn_tp_size, self.groups.attn_tp)
         self.runner.keep_samples([r.table_row for r in batch.reqs if r.sample], tokens)
 
-    def _process(self, launched: Launched) -> None:
-        """The leader takes a step's samples into its requests and reports them."""
+    def _process(self, launched: Launched) -> list[TokenOut]:
+        """The leader takes a step's samples into its requests and reports them; returns its new
+        tokens (for the penalties' counts, kept where the sampling runs)."""
         if self.scheduler is None or not launched.batch.reqs:
-            return
+            return []
+        start = time.perf_counter()
         samples = launched.samples.result() if launched.samples is not None else Samples([], [], [], [])
         new, finished = self.scheduler.process_samples(launched.step, *samples)
-        count_tokens(self.token_counts, new)
         self.report.add(new, finished)
+        launched.process_seconds = time.perf_counter() - start
+        return new
 
     def _record(self, launched: Launched) -> None:
         """The leader logs a step, its samples processed (a GPU's forward is done by then)."""
@@ -333,6 +362,7 @@ class Worker:
             comm_bytes=launched.comm_bytes,
             logit_rows=layout.logit_rows,
             rebalance=launched.rebalance,
+            process_seconds=launched.process_seconds,
             pending_tokens=sum(r.tokens[0] == PENDING_TOKEN for r in launched.batch.reqs),
         )
         imbalance = None
@@ -411,7 +441,7 @@ class Launched:
     layout: StepLayout
     kind: BatchKind  # the largest over the groups
     start: float
-    forward_time: ForwardTime
+    forward_time: ForwardTime = 0.0
     samples: SampleLaunch | None = None  # the leader's, when any request samples
     load: torch.Tensor | None = None  # MoE: rows per expert slot, over every group (on the device)
     rows: torch.Tensor | None = None  # ... per logical expert
@@ -420,6 +450,7 @@ class Launched:
     comm_bytes: int = 0
     draft_seconds: float = 0.0
     end: float = 0.0  # when its sampling, drafting and load counting were done
+    process_seconds: float = 0.0
 
 
 class ReportBuilder:
