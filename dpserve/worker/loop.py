@@ -220,7 +220,7 @@ class Worker:
                 layout = self.runner.policy.step_layout(sizes)
             processed = None
             if launched is not None:  # overlap: the step before's samples, beside this forward
-                processed = self._beside(self._process, launched)
+                processed = self._beside(self._process_and_report, launched)
             if not idle:
                 logits = self.runner.forward(batch, layout)  # (on a GPU: queued)
             if launched is not None:
@@ -237,8 +237,8 @@ class Worker:
                     launched = current
                 else:
                     self._record(current)
-            if self.scheduler is not None and (self.report.changed or batch.reqs):
-                self.out.send_pyobj(self.report.message(self._stats()))
+            if self.scheduler is not None and (self.report.changed or (batch.reqs and not self.overlap)):
+                self._send_report()
         self.heartbeat.step_start = None
         logger.info("shutting down")
         if self.scheduler is not None and self.scheduler.grammars is not None:
@@ -339,6 +339,18 @@ class Worker:
         self.report.add(new, finished)
         launched.process_seconds = time.perf_counter() - start
         return new
+
+    def _process_and_report(self, launched: Launched) -> list[TokenOut]:
+        """Overlap scheduling: `_process`, then the report goes out at once (while the forward runs)."""
+        new = self._process(launched)
+        if self.scheduler is not None and (self.report.changed or launched.batch.reqs):
+            self._send_report()
+        return new
+
+    def _send_report(self) -> None:
+        """The leader's `StepReport` to the front end; later news go into a fresh one."""
+        self.out.send_pyobj(self.report.message(self._stats()))
+        self.report = ReportBuilder(self.dp_rank)
 
     def _record(self, launched: Launched) -> None:
         """The leader logs a step, its samples processed (a GPU's forward is done by then)."""
