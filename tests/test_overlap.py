@@ -13,6 +13,7 @@ from conftest import PRESSURE, engine_for
 from test_grammar import PROMPTS, SCHEMAS
 from test_scheduler import assert_slots_consistent, expected_output, make, next_token, run
 
+from dpserve.bench.overlap import main as bench_main
 from dpserve.sampling_params import SamplingParams
 from dpserve.scheduler.request import GenerateRequest
 from dpserve.scheduler.scheduler import Scheduler
@@ -225,3 +226,14 @@ def test_speculative_decoding_runs_the_sequential_loop(engine_cache, model_dirs,
     engine.get_step_log()
     engine.generate(input_ids=prompts[:2], sampling_params=MIXED[0])
     assert sum(r.pending_tokens for group in engine.get_step_log() for r in group) == 0
+
+
+def test_the_benchmark_prints_both_loops_figures(model_dirs, capsys):
+    bench_main(
+        ["--model-path", model_dirs["llama"], "--dtype", "float32", "--batch-size", "3", "--input-len", "12"]
+        + ["--output-len", "6", "--repeats", "1"]
+    )
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith(("| overlap |", "| sequential |"))]
+    assert len(rows) == 2 and all(len(r.split("|")) == 8 for r in rows)
+    assert out.rstrip().endswith("outputs: equal")
