@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from dpserve.sampling_params import SamplingParams
+
 
 @dataclass(frozen=True)
 class Stop:
@@ -320,3 +322,15 @@ def answer_from_wire(data: dict) -> PrefillAnswer:
         return PrefillFailed(str(data["error"]), bool(data.get("write_failed")))
     top = [(int(t), float(lp)) for t, lp in data["top"]]
     return FirstToken(int(data["token"]), float(data["logprob"]), top, [int(d) for d in data["drafts"]])
+
+
+@dataclass
+class GenerateRequest:
+    """What the front end sends to a DP group's scheduler."""
+
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    return_logprob: bool = False
+    grammar_after: int | None = None  # the token (reasoning's end) after which its grammar applies
+    bootstrap: Bootstrap | None = None  # prefill-decode disaggregation: its other half

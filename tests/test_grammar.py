@@ -143,7 +143,7 @@ def test_a_token_the_grammar_refuses_ends_its_request_before_it_with_a_grammar_e
     from test_scheduler import assert_slots_consistent
     from transformers import AutoTokenizer
 
-    from dpserve.scheduler.request import GenerateRequest
+    from dpserve.messages import GenerateRequest
     from dpserve.scheduler.scheduler import Scheduler
     from dpserve.server.admission import error_body
     from dpserve.server.streams import aborted_error

@@ -14,8 +14,8 @@ from test_grammar import PROMPTS, SCHEMAS
 from test_scheduler import assert_slots_consistent, expected_output, make, next_token, run
 
 from dpserve.bench.overlap import main as bench_main
+from dpserve.messages import GenerateRequest
 from dpserve.sampling_params import SamplingParams
-from dpserve.scheduler.request import GenerateRequest
 from dpserve.scheduler.scheduler import Scheduler
 from dpserve.step.records import PENDING_TOKEN
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 from conftest import NEW_TOKENS, engine_for
 
+from dpserve.messages import GenerateRequest
 from dpserve.models.batch import stage
 from dpserve.sampling_params import SamplingParams
-from dpserve.scheduler.request import GenerateRequest
 from dpserve.scheduler.scheduler import Scheduler
 from dpserve.speculative.rejection import greedy_accept
 from dpserve.testing.reference import _load_model, hf_sampling_reference, reference_logits

@@ -8,8 +8,9 @@ from types import SimpleNamespace
 import pytest
 
 from dpserve.kvcache.radix_cache import RadixTree
+from dpserve.messages import GenerateRequest
 from dpserve.sampling_params import SamplingParams
-from dpserve.scheduler.request import GenerateRequest, check_request
+from dpserve.scheduler.request import check_request
 from dpserve.scheduler.scheduled import ScheduledStep
 from dpserve.scheduler.scheduler import MAX_RETRACTIONS, Scheduler, largest_step
 from dpserve.speculative.rejection import greedy_accept

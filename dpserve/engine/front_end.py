@@ -28,6 +28,7 @@ from dpserve.messages import (
     ExpertLoad,
     FirstToken,
     FlushCache,
+    GenerateRequest,
     GetExpertLoad,
     GetStepLog,
     KVDestination,
@@ -41,7 +42,7 @@ from dpserve.messages import (
 from dpserve.models.config import ModelConfig
 from dpserve.models.loader import CheckpointReader
 from dpserve.sampling_params import SamplingParams
-from dpserve.scheduler.request import GenerateRequest, check_request
+from dpserve.scheduler.request import check_request
 
 logger = logging.getLogger("dpserve")
 

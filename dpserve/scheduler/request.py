@@ -1,5 +1,5 @@
-"""A request as its group's scheduler tracks it, the message that carries it, and the checks
-every entry point (HTTP, offline Engine, scheduler) applies before a request may run."""
+"""A request as its group's scheduler tracks it, and the check every request passes once where it
+enters (the server, the offline Engine) before it may run."""
 
 from __future__ import annotations
 
@@ -11,18 +11,6 @@ from dpserve.grammar import Matcher
 from dpserve.kvcache.radix_cache import Node
 from dpserve.messages import Bootstrap
 from dpserve.sampling_params import SamplingParams
-
-
-@dataclass
-class GenerateRequest:
-    """What the front end sends to a DP group's scheduler."""
-
-    rid: str
-    input_ids: list[int]
-    params: SamplingParams
-    return_logprob: bool = False
-    grammar_after: int | None = None  # the token (reasoning's end) after which its grammar applies
-    bootstrap: Bootstrap | None = None  # prefill-decode disaggregation: its other half
 
 
 class ReqStatus(Enum):

@@ -35,13 +35,14 @@ from dpserve.messages import (
     Destination,
     FinishReason,
     FirstToken,
+    GenerateRequest,
     Length,
     RequestOutput,
     Stop,
     TokenOut,
 )
 from dpserve.scheduler.cache_manager import CacheManager
-from dpserve.scheduler.request import GenerateRequest, Req, ReqStatus, max_kv_len
+from dpserve.scheduler.request import Req, ReqStatus, max_kv_len
 from dpserve.scheduler.scheduled import ScheduledStep
 from dpserve.speculative.ngram import propose_ngram
 from dpserve.step.records import PENDING_TOKEN, BatchKind, BatchReq, KVSend

@@ -37,6 +37,7 @@ from dpserve.messages import (
     ExpertLoad,
     FirstToken,
     FlushCache,
+    GenerateRequest,
     GetExpertLoad,
     GetStepLog,
     KVDestination,
@@ -51,7 +52,6 @@ from dpserve.messages import (
     Wake,
 )
 from dpserve.models.config import ModelConfig
-from dpserve.scheduler.request import GenerateRequest
 from dpserve.scheduler.scheduled import ScheduledStep
 from dpserve.scheduler.scheduler import Scheduler
 from dpserve.step.exchange import exchange, share
