@@ -39,8 +39,8 @@ from dpserve.messages import (
     StepReport,
     TokenOut,
 )
+from dpserve.models.checkpoint import CheckpointReader
 from dpserve.models.config import ModelConfig
-from dpserve.models.loader import CheckpointReader
 from dpserve.sampling_params import SamplingParams
 from dpserve.scheduler.request import check_request
 

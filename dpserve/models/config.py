@@ -12,8 +12,8 @@ from transformers import AutoConfig, PretrainedConfig
 from dpserve.config import EngineConfig
 from dpserve.eplb.placement import Placement, start_placement
 from dpserve.layers.specs import PER_ROW, MoESpec, QuantSpec
+from dpserve.models.checkpoint import CheckpointReader
 from dpserve.models.family import FAMILIES, SERVED, Family
-from dpserve.models.loader import CheckpointReader
 
 
 @dataclass
