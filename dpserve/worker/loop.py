@@ -189,25 +189,12 @@ class Worker:
         while True:
             start = time.perf_counter()
             self.heartbeat.step_start = time.monotonic()
-            batch, step = None, None
+            step = None
             if self.scheduler is not None:  # 1. the leader schedules
                 self.report = ReportBuilder(self.dp_rank)
-                wait_ms = 0
-                if idle:  # poll often while a grammar compiles or KV is awaited: either may come any time
-                    busy = self.scheduler.compiling or (self.link is not None and self.link.busy)
-                    wait_ms = GRAMMAR_POLL_MS if busy else IDLE_WAIT_MS
-                shutdown |= self._drain(wait_ms=wait_ms)
-                if self.link is not None:
-                    self._hear_prefill()
-                step = self.scheduler.schedule()
-                if self.link is not None:
-                    self._ask_prefill(step)
-                batch = step.batch
-                batch.shutdown = shutdown
-                self.report.cached = step.admitted
-                if step.failed:
-                    self.report.add([], step.failed)
-            batch: GroupBatch = share(batch, self.groups)  # 2. the group shares it
+                shutdown |= self._drain(wait_ms=self._wait_ms(idle))
+                step = self._schedule(shutdown)
+            batch: GroupBatch = share(step.batch if step else None, self.groups)  # 2. the group shares it
             if batch.sends:  # prefill: finished prompts' KV to their decode groups
                 errors = self.sender.write(batch.sends, self.runner.device)
                 if self.scheduler is not None:
@@ -239,6 +226,31 @@ class Worker:
                     self._record(current)
             if self.scheduler is not None and (self.report.changed or (batch.reqs and not self.overlap)):
                 self._send_report()
+        self._close()
+
+    def _wait_ms(self, idle: bool) -> int:
+        """How long the leader waits for a message: not at all while busy; while idle, briefly when a
+        grammar compiles or KV is awaited (either may come any time), else `IDLE_WAIT_MS`."""
+        if not idle:
+            return 0
+        busy = self.scheduler.compiling or (self.link is not None and self.link.busy)
+        return GRAMMAR_POLL_MS if busy else IDLE_WAIT_MS
+
+    def _schedule(self, shutdown: bool) -> ScheduledStep:
+        """The leader's next step (PD's answers heard first, its KV asked for after); its admissions
+        and failures go into the report."""
+        if self.link is not None:
+            self._hear_prefill()
+        step = self.scheduler.schedule()
+        if self.link is not None:
+            self._ask_prefill(step)
+        step.batch.shutdown = shutdown
+        self.report.cached = step.admitted
+        if step.failed:
+            self.report.add([], step.failed)
+        return step
+
+    def _close(self) -> None:
         self.heartbeat.step_start = None
         logger.info("shutting down")
         if self.scheduler is not None and self.scheduler.grammars is not None:
