@@ -63,3 +63,10 @@ def engine_kwargs(args: argparse.Namespace, only: Iterable[str] | None = None) -
     """EngineConfig keyword arguments from the flags add_engine_args added (`only` these)."""
     names = [f.name for f in fields(EngineConfig) if only is None or f.name in only]
     return {name: getattr(args, name) for name in names if hasattr(args, name)}
+
+
+def bench_parser(module: str, doc: str) -> argparse.ArgumentParser:
+    """A benchmark's parser: `python -m module`, the first paragraph of its docstring `doc`."""
+    return argparse.ArgumentParser(
+        prog=f"python -m {module}", description=doc.split("\n\n")[0], formatter_class=HelpFormatter
+    )

@@ -17,18 +17,14 @@ import sys
 import time
 
 from dpserve import Engine
-from dpserve.cli import HelpFormatter, add_engine_args, engine_kwargs, positive_int
+from dpserve.cli import add_engine_args, bench_parser, engine_kwargs, positive_int
 from dpserve.testing.reference import random_prompts
 
 FIGURES = ("tok/s", "step ms", "forward ms", "host ms", "processing ms")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m dpserve.bench.overlap",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=HelpFormatter,
-    )
+    p = bench_parser("dpserve.bench.overlap", __doc__)
     add_engine_args(p, defaults={"log_level": "warning"})
     p.add_argument("--batch-size", type=positive_int, default=16, help="prompts generated together")
     p.add_argument(

@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from dpserve import Engine
 from dpserve.bench.padding import parse_layout
-from dpserve.cli import HelpFormatter, add_engine_args, engine_kwargs, positive_int
+from dpserve.cli import add_engine_args, bench_parser, engine_kwargs, positive_int
 from dpserve.config import SPECULATIVE_ALGORITHMS
 from dpserve.testing.trained_mtp import synthetic_sequences, trained_mtp_model
 
@@ -37,11 +37,7 @@ SWEPT = ("tp_size", "dp_size", "enable_dp_attention", "speculative_algorithm", "
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m dpserve.bench.spec",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=HelpFormatter,
-    )
+    p = bench_parser("dpserve.bench.spec", __doc__)
     # Without --model-path: dpserve.testing.trained_mtp's model with --trained-layers layers.
     add_engine_args(p, defaults={"log_level": "warning", "model_path": None, "dtype": "float32"})
     p.add_argument(
