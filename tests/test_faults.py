@@ -336,3 +336,21 @@ def test_offline_engine_raises_for_a_stopped_worker(model, engine_cache):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
         engine.shutdown()
+
+
+def test_a_script_that_raises_without_shutting_the_engine_down_exits(model_dirs, tmp_path):
+    """The ranks ignore SIGTERM, so an Engine nobody shut down must not leave the interpreter waiting
+    for them at exit: the script ends with its own traceback and exit code."""
+    script = tmp_path / "forgets_shutdown.py"
+    script.write_text(
+        "from dpserve import Engine\n\n\n"
+        "def main():\n"
+        f"    engine = Engine(model_path={model_dirs['llama']!r}, device='cpu', dtype='float32')\n"
+        "    engine.generate(input_ids=[5, 6, 7], sampling_params={'max_new_tokens': 2})\n"
+        "    raise RuntimeError('the script failed')\n\n\n"
+        "if __name__ == '__main__':\n"
+        "    main()\n"
+    )
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1
+    assert run.stderr.rstrip().endswith("RuntimeError: the script failed")

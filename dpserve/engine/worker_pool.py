@@ -11,6 +11,7 @@ output collector P + instances; DP group g's request socket P + instances + 1 + 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import logging
@@ -222,6 +223,10 @@ class WorkerPool:
         self.collector = connect.outputs  # where others may report to the front end too
         self.procs = start_ranks(cfg, connect)
         self.closed = False
+        # The ranks ignore SIGTERM (`_leave_signals_to_front_end`), so multiprocessing's own exit
+        # handler, which terminates and joins them, would wait forever for a pool nobody shut down
+        # (a script that raised, or forgot Engine.shutdown): ours runs first (atexit is LIFO).
+        atexit.register(self.shutdown)
         ready: dict[int, Ready] = {}
         try:
             while len(ready) < cfg.world_size:
@@ -316,6 +321,7 @@ class WorkerPool:
         if self.closed:
             return
         self.closed = True
+        atexit.unregister(self.shutdown)
         for sock in self._requests:
             with contextlib.suppress(zmq.Again):  # a leader that is gone is killed below
                 sock.send_pyobj(Shutdown(), flags=zmq.NOBLOCK)
