@@ -161,6 +161,9 @@ def _rank(rank: int, world: int, port: int, model_path: str, variants: list[dict
             results[(rank, str(variant))] = _check_runner(EngineConfig(**base | variant), rank, groups)
     except Exception:
         results[(rank, "error")] = traceback.format_exc()
+    finally:  # gloo's threads stopped before the interpreter exits (not in its static destructors)
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
 
 # A variant's "arch" runs that tiny model in place of DeepSeek-V2 (V3.2: its indexer and sparse MLA,
