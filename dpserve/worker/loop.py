@@ -215,10 +215,10 @@ class Worker:
                 if new:
                     count_tokens(self.token_counts, new)
                 self._record(launched)
-            launched = current = None
+            launched = None
             if not idle:
-                current = Launched(batch, step, layout, BatchKind.largest([s.kind for s in sizes]), start)
-                current.forward_time = self.runner.forward_time
+                kind = BatchKind.largest([s.kind for s in sizes])
+                current = Launched(batch, step, layout, kind, start, self.runner.forward_time)
                 self._finish_step(current, logits)  # 5. sampling, then drafts and the experts' load
                 if self.overlap:
                     launched = current
@@ -465,7 +465,7 @@ class Launched:
     layout: StepLayout
     kind: BatchKind  # the largest over the groups
     start: float
-    forward_time: ForwardTime = 0.0
+    forward_time: ForwardTime
     samples: SampleLaunch | None = None  # the leader's, when any request samples
     load: torch.Tensor | None = None  # MoE: rows per expert slot, over every group (on the device)
     rows: torch.Tensor | None = None  # ... per logical expert
