@@ -81,6 +81,12 @@ def test_nextn_greedy_matches_reference(
     log = engine.get_step_log()
     assert any(s.kind == "verify" for s in log[0]), "no step verified drafts"
     assert all(s.draft_seconds > 0 for g in log for s in g), "a step ran without the MTP forwards"
+    # The MTP forwards take the target's layouts: after a padded step its draft extend is padded (a
+    # graph's shapes), and chained forwards of one row per request pad even after a prefill.
+    records = [s for g in log for s in g]
+    assert all(s.draft_padded >= 1 for s in records if s.padded)
+    assert all(s.draft_padded <= steps - 1 for s in records if not s.padded)
+    assert any(s.draft_padded == steps for s in records), "no step ran all its MTP forwards padded"
     assert accept_length(outputs[:-1]) > 1.5  # the synthetic-text prompts
     # The known figure: as many verify steps as the reference MTP chain takes on the synthetic text,
     # and every token after each request's first one either an accepted draft or a verify step's own.

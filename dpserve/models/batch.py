@@ -8,7 +8,7 @@ from itertools import accumulate
 import torch
 
 from dpserve.attention.backend import AttentionMetadata
-from dpserve.step.records import StepLayout
+from dpserve.step.records import PENDING_TOKEN, BatchReq, GroupBatch, StepLayout
 
 
 @dataclass
@@ -100,6 +100,79 @@ class ForwardBatch:
             window_attn,
             t.get("out_window_slots"),
         )
+
+
+def group_inputs(
+    batch: GroupBatch,
+    layout: StepLayout,
+    req_to_token: torch.Tensor,
+    pending: torch.Tensor,
+    own_rank: int | None = None,
+    req_to_window: torch.Tensor | None = None,
+) -> ForwardBatch:
+    """The one builder of a forward's inputs from a group's batch, for the target model's steps and
+    NEXTN's MTP forwards alike (a padded layout: the shapes of a captured graph). Host work is
+    proportional to the new tokens, not to the contexts. A request whose first token is
+    `PENDING_TOKEN` takes it from `pending[table_row]`, on the device (a token not read back yet);
+    `req_to_window`: the hybrid sliding-window pool's table."""
+    reqs = batch.reqs
+    rows, cols, slots = [], [], []  # request-to-slot table entries written this step
+    for r in reqs:
+        rows += [r.table_row] * (len(r.prefix) + len(r.slots))
+        cols += range(r.start - len(r.prefix), r.seq_len)
+        slots += r.prefix + r.slots
+    positions = [p for r in reqs for p in range(r.start, r.seq_len)]
+    # Rows to return logits for: a request's last, or every one of a verify step's.
+    ends = list(accumulate(len(r.tokens) for r in reqs))
+    logit_idx = [i for r, end in zip(reqs, ends, strict=True) for i in range(end - r.logit_rows, end)]
+    # Padded rows: token 0 at position 0, each a one-token request on row 0, writing slot 0.
+    pad = layout.local_rows - batch.num_tokens
+    if layout.padded:
+        # A padded step has a decode graph's shapes: one query row per token. A verify step's token
+        # at position p attends to the p + 1 keys up to its own, its drafts included (all of them are
+        # in the pool before attention reads it): causal attention, row by row.
+        table_rows = [r.table_row for r in reqs for _ in r.tokens]
+        q_lens, seq_lens = [1] * len(positions), [p + 1 for p in positions]
+    else:
+        table_rows, q_lens, seq_lens = (
+            [r.table_row for r in reqs],
+            [len(r.tokens) for r in reqs],
+            [r.seq_len for r in reqs],
+        )
+    inputs = ForwardBatch.build(
+        layout,
+        req_to_token,
+        [t for r in reqs for t in r.tokens] + [0] * pad,
+        positions + [0] * pad,
+        [s for r in reqs for s in r.slots] + [0] * pad,
+        table_rows + [0] * pad,
+        q_lens + [1] * pad,
+        seq_lens + [1] * pad,
+        logit_idx,
+        own_rank,
+        table_writes=(rows, cols, slots),
+        window=None if req_to_window is None else _window_inputs(req_to_window, reqs, pad),
+    )
+    waiting = [
+        (end - len(r.tokens), r.table_row)
+        for r, end in zip(reqs, ends, strict=True)
+        if r.tokens and r.tokens[0] == PENDING_TOKEN
+    ]
+    if waiting:
+        t = stage({"at": [i for i, _ in waiting], "rows": [row for _, row in waiting]}, req_to_token.device)
+        inputs.input_ids[t["at"]] = pending[t["rows"]]
+    return inputs
+
+
+def _window_inputs(req_to_window: torch.Tensor, reqs: list[BatchReq], pad: int) -> tuple:
+    """The hybrid pool's table, the new tokens' window slots, and the table entries to write."""
+    rows, cols, slots = [], [], []
+    for r in reqs:
+        rows += [r.table_row] * len(r.window_slots)
+        cols += range(r.seq_len - len(r.window_slots), r.seq_len)
+        slots += r.window_slots
+    out = [s for r in reqs for s in r.window_slots[len(r.window_slots) - len(r.tokens) :]] + [0] * pad
+    return req_to_window, out, (rows, cols, slots)
 
 
 def stage(

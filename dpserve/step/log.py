@@ -30,6 +30,7 @@ class StepRecord:
     slots_written: int = 0  # request-to-slot table entries this group wrote (host work of the step)
     forward_seconds: float = 0.0  # the model's share of `seconds` (without drafting); the rest is host work
     draft_seconds: float = 0.0  # NEXTN: the MTP forwards after the step (part of `seconds`)
+    draft_padded: int = 0  # NEXTN: how many of those ran padded (a CUDA graph replay on GPU)
     expert_imbalance: float = 1.0  # MoE rows of the busiest rank over the mean rank's (1: balanced)
     comm_bytes: int = 0  # bytes the leader sent in the step's forward (collectives; NEXTN's drafts not)
     logit_rows: tuple[int, ...] = ()  # rows sampled by every DP group (what the LM head moves)

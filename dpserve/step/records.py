@@ -150,6 +150,7 @@ class DraftReq:
     start: int  # position of its first new token in the step
     offset: int  # index of that token among the step's rows
     next_tokens: list[int]  # the token after each kept position
+    slots: list[int]  # the kept positions' KV slots (the MTP pool mirrors the main pool's)
     draft: bool  # still decoding: its last row starts a chain of drafts
 
     @property
@@ -175,6 +176,7 @@ class DraftBatch:
         return DraftSizes(
             tokens=sum(len(r.next_tokens) for r in self.reqs),
             drafting=len(self.drafting),
+            longest=max((r.end for r in self.drafting), default=0),
             chain=tuple(sum(c >= j for c in chains) for j in range(1, num_steps)),
         )
 
@@ -186,6 +188,7 @@ class DraftSizes(IntRecord):
 
     tokens: int  # rows of the first forward (every kept position)
     drafting: int  # requests drafting: the first forward's logit rows
+    longest: int  # the end of its longest drafting request (chained step j attends to `longest + j` keys)
     chain: tuple[int, ...]  # rows of each chained forward
 
 

@@ -19,17 +19,24 @@ keeps sampled outputs distributed exactly as the target model's.
 from __future__ import annotations
 
 import time
-from itertools import accumulate
 
 import torch
 
 from dpserve.kvcache.pool import KVPool
 from dpserve.models.base import CausalLM
-from dpserve.models.batch import ForwardBatch, stage
+from dpserve.models.batch import group_inputs, stage
 from dpserve.scheduler.request import Req
 from dpserve.scheduler.scheduled import ScheduledStep
 from dpserve.step.padding import PaddingPolicy
-from dpserve.step.records import DraftBatch, DraftReq, DraftSizes
+from dpserve.step.records import (
+    PENDING_TOKEN,
+    BatchReq,
+    DraftBatch,
+    DraftReq,
+    DraftSizes,
+    GroupBatch,
+    StepLayout,
+)
 
 
 def draft_batch(step: ScheduledStep) -> tuple[DraftBatch, list[Req]]:
@@ -40,7 +47,7 @@ def draft_batch(step: ScheduledStep) -> tuple[DraftBatch, list[Req]]:
         kept = min(len(part.tokens), req.seq_len - 1 - part.start)
         next_tokens = req.fill_ids[part.start + 1 : part.start + 1 + kept]
         draft = req.table_row > 0 and req.prefill_done
-        batch.reqs.append(DraftReq(part.table_row, part.start, offset, next_tokens, draft))
+        batch.reqs.append(DraftReq(part.table_row, part.start, offset, next_tokens, part.slots[:kept], draft))
         if draft:
             drafting.append(req)
         offset += len(part.tokens)
@@ -74,107 +81,96 @@ class NextNDrafter:
             req_to_token.device,
             cache_dtype=cache_dtype,
         )
+        # Each table row's latest draft: the next chained forward's input token (`PENDING_TOKEN`).
+        self.tokens = torch.zeros(req_to_token.shape[0], dtype=torch.long, device=req_to_token.device)
         self.seconds = 0.0  # the MTP forwards of the last step
+        self.padded = 0  # ... of them run padded (a graph's shapes)
 
-    def run(self, batch: DraftBatch, sizes: list[DraftSizes], hidden: torch.Tensor) -> list[list[int]]:
+    def run(
+        self, batch: DraftBatch, sizes: list[DraftSizes], hidden: torch.Tensor, padded: bool
+    ) -> list[list[int]]:
         """Runs the MTP forwards after a step (this group's rows: `batch`; every group's sizes:
-        `sizes`; the step's hidden states: `hidden`); returns each drafting request's chain of
-        drafts, in `batch.drafting` order."""
-        start = time.perf_counter()
+        `sizes`; the step's hidden states: `hidden`; `padded`: whether the step ran padded, so its
+        kept positions fit a bucket too); returns each drafting request's chain of drafts, in
+        `batch.drafting` order."""
+        start, self.padded = time.perf_counter(), 0
         drafting = batch.drafting
         chain_lens = [r.chain_len(self.num_steps, self.context_len) for r in drafting]
-        model, table, dev = self.model, self.req_to_token, self.req_to_token.device
-        # 1. Draft extend over every kept position.
-        reqs = batch.reqs
-        q_lens = [len(r.next_tokens) for r in reqs]
-        ends = list(accumulate(q_lens))
-        layout = self.policy.layout([s.tokens for s in sizes], [s.drafting for s in sizes], can_pad=False)
-        positions = [p for r in reqs for p in range(r.start, r.end)]
-        staged = stage(
+        # 1. Draft extend over every kept position: the token after each is the MTP layer's input.
+        extend = GroupBatch(
+            reqs=[BatchReq(r.table_row, r.start, r.next_tokens, r.slots, r.draft) for r in batch.reqs]
+        )
+        layout = self.policy.layout([s.tokens for s in sizes], [s.drafting for s in sizes], padded)
+        t = stage(
             {
-                "rows": [r.table_row for r in reqs for _ in r.next_tokens],
-                "positions": positions,
-                "src": [r.offset + i for r in reqs for i in range(len(r.next_tokens))],
+                "src": [r.offset + i for r in batch.reqs for i in range(len(r.next_tokens))],
+                "rows": [r.table_row for r in drafting],
             },
-            dev,
+            self.tokens.device,
         )
-        inputs = ForwardBatch.build(
-            layout,
-            table,
-            [t for r in reqs for t in r.next_tokens],  # the MTP layer's input: the token after each row
-            positions,
-            table[staged["rows"], staged["positions"]],
-            [r.table_row for r in reqs],
-            q_lens,
-            [r.end for r in reqs],
-            [end - 1 for r, end in zip(reqs, ends, strict=True) if r.draft],
-            model.moe_own_rank,
-        )
-        logits, out = model.draft(model.norm(hidden[staged["src"]]), inputs, self.pool)
-        drafts = torch.zeros(len(drafting), self.num_steps, dtype=torch.long, device=dev)
-        drafts[:, 0] = logits.argmax(-1)
+        first, out = self._forward(extend, layout, self.model.norm(hidden[t["src"]]), t["rows"])
+        drafts = torch.zeros(len(drafting), self.num_steps, dtype=torch.long, device=self.tokens.device)
+        drafts[:, 0] = first
         # 2. Chained steps, each request while its positions stay inside the context.
-        scratch_entries = []  # request-table entries pointing at scratch slots, cleared at the end
+        scratch: list[tuple[int, int]] = []  # request-table entries pointing at scratch slots
         try:
-            self._chain(drafting, chain_lens, sizes, drafts, out, scratch_entries)
+            self._chain(drafting, chain_lens, sizes, drafts, out, scratch)
         finally:
             # Attention gathers table rows up to the batch's longest request, so a stale scratch slot
             # (past the main pool's end) must not stay where a shorter request's row is read, even
             # when drafting failed.
-            for entry in scratch_entries:
-                table[entry] = 0
+            if scratch:
+                e = stage(
+                    {"rows": [r for r, _ in scratch], "cols": [c for _, c in scratch]}, self.tokens.device
+                )
+                self.req_to_token[e["rows"], e["cols"]] = 0
         self.seconds = time.perf_counter() - start
         return [chain[: 1 + n] for chain, n in zip(drafts.tolist(), chain_lens, strict=True)]
 
+    def _forward(
+        self, batch: GroupBatch, layout: StepLayout, hidden: torch.Tensor, rows: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One MTP forward over `batch` (the main model's builder; padded rows pair token 0 with a
+        zero hidden state); returns the drafts of its sampled rows, kept by table row (`rows`) for
+        the next chained forward, and their normed output."""
+        inputs = group_inputs(batch, layout, self.req_to_token, self.tokens, self.model.moe_own_rank)
+        pad = layout.local_rows - hidden.shape[0]
+        if pad:
+            hidden = torch.cat([hidden, hidden.new_zeros(pad, hidden.shape[1])])
+        self.padded += layout.padded
+        logits, out = self.model.draft(hidden, inputs, self.pool)
+        drafts = logits.argmax(-1)
+        self.tokens[rows] = drafts
+        return drafts, out
+
     def _chain(
         self,
-        drafting: list,
+        drafting: list[DraftReq],
         chain_lens: list[int],
         sizes: list[DraftSizes],
         drafts: torch.Tensor,
         out: torch.Tensor,
-        scratch_entries: list[tuple[torch.Tensor, torch.Tensor]],
+        scratch: list[tuple[int, int]],
     ) -> None:
         """Step 2 of `run`: the chained MTP steps, filling `drafts` and recording every scratch entry
         it writes into the request table."""
-        model, table, dev = self.model, self.req_to_token, self.req_to_token.device
         for j in range(1, self.num_steps):
-            if not any(s.chain[j - 1] for s in sizes):
+            chain_rows = [s.chain[j - 1] for s in sizes]
+            if not any(chain_rows):
                 break
             active = [i for i, n in enumerate(chain_lens) if n >= j]
-            reqs_j = [drafting[i] for i in active]
-            positions = [r.end - 1 + j for r in reqs_j]
-            table_rows = [r.table_row for r in reqs_j]
-            staged = stage(
-                {
-                    "slots": [
-                        self.scratch_base + (r.table_row - 1) * (self.num_steps - 1) + j - 1 for r in reqs_j
-                    ],
-                    "rows": table_rows,
-                    "positions": positions,
-                    "active": active,
-                },
-                dev,
+            # Request r's step j: its draft j - 1 at position end - 1 + j, written to a scratch slot.
+            steps = [(drafting[i].table_row, drafting[i].end - 1 + j) for i in active]
+            base = self.scratch_base + j - 1
+            chain = GroupBatch(
+                reqs=[
+                    BatchReq(row, pos, [PENDING_TOKEN], [base + (row - 1) * (self.num_steps - 1)], True)
+                    for row, pos in steps
+                ]
             )
-            slots, entry, idx = staged["slots"], (staged["rows"], staged["positions"]), staged["active"]
-            table[entry] = slots.int()
-            scratch_entries.append(entry)
-            chain_rows = [s.chain[j - 1] for s in sizes]
-            layout = self.policy.layout(chain_rows, chain_rows, can_pad=False)
-            n = len(active)
-            seq_lens = [p + 1 for p in positions]
-            inputs = ForwardBatch.build(
-                layout,
-                table,
-                drafts[idx, j - 1],
-                positions,
-                slots,
-                table_rows,
-                [1] * n,
-                seq_lens,
-                list(range(n)),
-                model.moe_own_rank,
-            )
-            logits, rows_out = model.draft(out[idx], inputs, self.pool)
-            drafts[idx, j] = logits.argmax(-1)
-            out = out.index_copy(0, idx, rows_out)
+            scratch += steps
+            can_pad = all(s.longest + j <= self.policy.max_kv_len for s in sizes if s.chain[j - 1])
+            layout = self.policy.layout(chain_rows, chain_rows, can_pad)
+            t = stage({"active": active, "rows": [row for row, _ in steps]}, drafts.device)
+            drafts[t["active"], j], rows_out = self._forward(chain, layout, out[t["active"]], t["rows"])
+            out = out.index_copy(0, t["active"], rows_out)

@@ -314,7 +314,7 @@ class Worker:
             mine, drafting = draft_batch(step) if s is not None and batch.reqs else (DraftBatch(), [])
             drafted = share(mine if s is not None else None, self.groups)
             sizes = exchange(drafted.sizes(self.drafter.num_steps, self.drafter.context_len), self.groups)
-            drafts = self.drafter.run(drafted, sizes, self.runner.hidden)
+            drafts = self.drafter.run(drafted, sizes, self.runner.hidden, launched.layout.padded)
             if s is not None:
                 s.set_drafts(drafting, drafts)
         load = self.runner.take_expert_load()  # on the device; every rank: a collective under all_to_all
@@ -326,7 +326,8 @@ class Worker:
         if s is not None and launched.rebalance is not None:
             self._report_rebalance(launched.rebalance)
         launched.slots_written, launched.comm_bytes = self.runner.slots_written, self.runner.comm_bytes
-        launched.draft_seconds = self.drafter.seconds if self.drafter else 0.0
+        if self.drafter is not None:
+            launched.draft_seconds, launched.draft_padded = self.drafter.seconds, self.drafter.padded
         launched.end = time.perf_counter()
 
     def _keep_samples(self, launched: Launched) -> None:
@@ -383,6 +384,7 @@ class Worker:
             retractions=launched.step.retractions,
             slots_written=launched.slots_written,
             draft_seconds=launched.draft_seconds,
+            draft_padded=launched.draft_padded,
             comm_bytes=launched.comm_bytes,
             logit_rows=layout.logit_rows,
             rebalance=launched.rebalance,
@@ -473,6 +475,7 @@ class Launched:
     slots_written: int = 0
     comm_bytes: int = 0
     draft_seconds: float = 0.0
+    draft_padded: int = 0
     end: float = 0.0  # when its sampling, drafting and load counting were done
     process_seconds: float = 0.0
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from itertools import accumulate
 
 import torch
 
@@ -27,13 +26,13 @@ from dpserve.memory import (
     release_freed_host_memory,
 )
 from dpserve.models.base import CausalLM
-from dpserve.models.batch import ForwardBatch, stage
+from dpserve.models.batch import ForwardBatch, group_inputs, stage
 from dpserve.models.config import ModelConfig
 from dpserve.models.loader import BlockScales, load_weights
 from dpserve.models.registry import build_model
 from dpserve.scheduler.scheduler import largest_step
 from dpserve.step.padding import PaddingPolicy
-from dpserve.step.records import PENDING_TOKEN, BatchKind, BatchReq, GroupBatch, PaddingMode, StepLayout
+from dpserve.step.records import BatchKind, BatchReq, GroupBatch, PaddingMode, StepLayout
 from dpserve.worker.compile import CompiledDecode
 from dpserve.worker.graph_runner import CudaGraphRunner
 
@@ -294,64 +293,8 @@ class ModelRunner:
         return lambda: self._hidden(inputs)
 
     def _inputs(self, batch: GroupBatch, layout: StepLayout) -> ForwardBatch:
-        """The step's inputs; host work proportional to the new tokens, not to the contexts."""
-        reqs = batch.reqs
-        rows, cols, slots = [], [], []  # request-to-slot table entries written this step
-        for r in reqs:
-            rows += [r.table_row] * (len(r.prefix) + len(r.slots))
-            cols += range(r.start - len(r.prefix), r.seq_len)
-            slots += r.prefix + r.slots
-        self.slots_written = len(slots)  # a decode step writes one per request, whatever the contexts
-        positions = [p for r in reqs for p in range(r.start, r.seq_len)]
-        # Rows to return logits for: a request's last, or every one of a verify step's.
-        ends = list(accumulate(len(r.tokens) for r in reqs))
-        logit_idx = [i for r, end in zip(reqs, ends, strict=True) for i in range(end - r.logit_rows, end)]
-        # Padded rows: token 0 at position 0, each a one-token request on row 0, writing slot 0.
-        pad = layout.local_rows - batch.num_tokens
-        if layout.padded:
-            # A padded step has a decode graph's shapes: one query row per token. A verify step's
-            # token at position p attends to the p + 1 keys up to its own, its drafts included (all of
-            # them are in the pool before attention reads it): causal attention, row by row.
-            table_rows = [r.table_row for r in reqs for _ in r.tokens]
-            q_lens, seq_lens = [1] * len(positions), [p + 1 for p in positions]
-        else:
-            table_rows, q_lens, seq_lens = (
-                [r.table_row for r in reqs],
-                [len(r.tokens) for r in reqs],
-                [r.seq_len for r in reqs],
-            )
-        inputs = ForwardBatch.build(
-            layout,
-            self.req_to_token,
-            [t for r in reqs for t in r.tokens] + [0] * pad,
-            positions + [0] * pad,
-            [s for r in reqs for s in r.slots] + [0] * pad,
-            table_rows + [0] * pad,
-            q_lens + [1] * pad,
-            seq_lens + [1] * pad,
-            logit_idx,
-            self.model.moe_own_rank,
-            table_writes=(rows, cols, slots),
-            window=self._window_inputs(reqs, pad),
+        """The step's inputs (`group_inputs`); a `PENDING_TOKEN` is the previous step's sample."""
+        self.slots_written = sum(len(r.prefix) + len(r.slots) for r in batch.reqs)  # a decode step: one each
+        return group_inputs(
+            batch, layout, self.req_to_token, self.sampled_tokens, self.model.moe_own_rank, self.req_to_window
         )
-        pending = [
-            (end - len(r.tokens), r.table_row)
-            for r, end in zip(reqs, ends, strict=True)
-            if r.tokens[0] == PENDING_TOKEN
-        ]
-        if pending:  # decode tokens the previous step sampled: taken on the device, never read back
-            t = stage({"at": [i for i, _ in pending], "rows": [row for _, row in pending]}, self.device)
-            inputs.input_ids[t["at"]] = self.sampled_tokens[t["rows"]]
-        return inputs
-
-    def _window_inputs(self, reqs: list[BatchReq], pad: int) -> tuple | None:
-        """The hybrid pool's table, the new tokens' window slots, and the table entries to write."""
-        if self.req_to_window is None:
-            return None
-        rows, cols, slots = [], [], []
-        for r in reqs:
-            rows += [r.table_row] * len(r.window_slots)
-            cols += range(r.seq_len - len(r.window_slots), r.seq_len)
-            slots += r.window_slots
-        out = [s for r in reqs for s in r.window_slots[len(r.window_slots) - len(r.tokens) :]] + [0] * pad
-        return self.req_to_window, out, (rows, cols, slots)
