@@ -24,4 +24,4 @@ PY
         python -m pip install -q --no-index --no-deps $missing
     fi
 fi
-python scripts/gpu_check.py "$@"  # each stage under its own timeout: 290 s in all on one GPU
+python scripts/gpu_check.py "$@"  # each stage under its own timeout: 300 s in all on one GPU

@@ -226,14 +226,17 @@ class CausalLM(nn.Module):
         return self.comm.scatter_logits(shard, layout)[:, : self.cfg.vocab_size].float()
 
     @torch.no_grad()
-    def draft(
-        self, hidden: torch.Tensor, batch: ForwardBatch, pool: KVPool
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One MTP step over this group's rows (`batch.input_ids`: the token after each row's
-        position, `hidden`: the hidden state paired with it); returns (logits, the MTP's normed
-        output) of the rows in `batch.logit_idx`, the hidden state a chain feeds its next step."""
+    def draft_hidden(self, hidden: torch.Tensor, batch: ForwardBatch, pool: KVPool) -> torch.Tensor:
+        """One MTP forward over this group's rows (`batch.input_ids`: the token after each row's
+        position, `hidden`: the hidden state paired with it): the fixed-shape part a CUDA graph
+        captures."""
         self.attn_backend.prepare(batch.attn)
-        out = self.mtp(self.embed_tokens(batch.input_ids), hidden, batch, pool)
+        return self.mtp(self.embed_tokens(batch.input_ids), hidden, batch, pool)
+
+    @torch.no_grad()
+    def draft_logits(self, out: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits, the MTP's normed output) of the rows in `batch.logit_idx` of `draft_hidden`'s
+        `out`: the normed rows are the hidden state a chain feeds its next step."""
         rows = self.mtp.shared_head_norm(out[batch.logit_idx])
         return self.lm_head_logits(rows, batch.layout), rows
 

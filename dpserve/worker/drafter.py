@@ -37,6 +37,7 @@ from dpserve.step.records import (
     GroupBatch,
     StepLayout,
 )
+from dpserve.worker.graph_runner import CudaGraphRunner
 
 
 def draft_batch(step: ScheduledStep) -> tuple[DraftBatch, list[Req]]:
@@ -64,9 +65,11 @@ class NextNDrafter:
         num_steps: int,
         context_len: int,
         cache_dtype: torch.dtype,
+        graph_pool: tuple | None = None,
     ):
         """`capacity`: the main pool's tokens (the MTP pool mirrors its slots); `cache_dtype`: what
-        the pools store."""
+        the pools store; `graph_pool`: the target's CUDA graphs' memory pool, where the MTP
+        forwards' graphs are captured too (None: no graphs)."""
         self.model, self.req_to_token, self.policy = model, req_to_token, policy
         self.num_steps, self.context_len = num_steps, context_len
         # Scratch slots past the pool's real ones: num_steps - 1 per request-table row.
@@ -81,6 +84,18 @@ class NextNDrafter:
             req_to_token.device,
             cache_dtype=cache_dtype,
         )
+        self.graphs = None
+        if graph_pool is not None:
+            self.graphs = CudaGraphRunner(
+                model,
+                req_to_token,
+                policy.padded_layouts(),
+                policy.max_kv_len,
+                lambda batch, hidden: model.draft_hidden(hidden, batch, self.pool),
+                graph_pool,
+                "MTP forwards",
+                hidden_inputs=True,
+            )
         # Each table row's latest draft: the next chained forward's input token (`PENDING_TOKEN`).
         self.tokens = torch.zeros(req_to_token.shape[0], dtype=torch.long, device=req_to_token.device)
         self.seconds = 0.0  # the MTP forwards of the last step
@@ -131,14 +146,19 @@ class NextNDrafter:
         self, batch: GroupBatch, layout: StepLayout, hidden: torch.Tensor, rows: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One MTP forward over `batch` (the main model's builder; padded rows pair token 0 with a
-        zero hidden state); returns the drafts of its sampled rows, kept by table row (`rows`) for
-        the next chained forward, and their normed output."""
+        zero hidden state; a captured graph's replay when its layout has one); returns the drafts
+        of its sampled rows, kept by table row (`rows`) for the next chained forward, and their
+        normed output."""
         inputs = group_inputs(batch, layout, self.req_to_token, self.tokens, self.model.moe_own_rank)
         pad = layout.local_rows - hidden.shape[0]
         if pad:
             hidden = torch.cat([hidden, hidden.new_zeros(pad, hidden.shape[1])])
         self.padded += layout.padded
-        logits, out = self.model.draft(hidden, inputs, self.pool)
+        if self.graphs is not None and self.graphs.has(layout):
+            out = self.graphs.replay(inputs, hidden)
+        else:
+            out = self.model.draft_hidden(hidden, inputs, self.pool)
+        logits, out = self.model.draft_logits(out, inputs)
         drafts = logits.argmax(-1)
         self.tokens[rows] = drafts
         return drafts, out

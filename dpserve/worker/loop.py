@@ -152,6 +152,7 @@ class Worker:
             cfg.speculative_num_steps,
             model_cfg.context_len,
             cfg.kv_dtype,
+            runner.graph_pool,
         )
 
     def _scheduler(self, cfg: EngineConfig, model_cfg: ModelConfig) -> Scheduler:

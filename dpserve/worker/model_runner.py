@@ -130,7 +130,8 @@ class ModelRunner:
             cfg.kv_dtype,
         )
         self._log_memory(local_tokens)
-        self.graphs = None
+        self.graphs: CudaGraphRunner | None = None
+        self.graph_pool: tuple | None = None
         self.forward_hidden = self.model.forward_hidden
         self._capture(max_kv_len)
 
@@ -171,14 +172,16 @@ class ModelRunner:
             self.forward_hidden = compiled.forward_hidden
             compiled.warm_up(self.idle_step)
         if cfg.device == "cuda" and cfg.graph_buckets:
+            self.graph_pool = torch.cuda.graph_pool_handle()  # NEXTN's MTP graphs share it
             self.graphs = CudaGraphRunner(
                 self.model,
-                self.pool,
                 self.req_to_token,
                 self.policy.padded_layouts(),
                 max_kv_len,
-                self.forward_hidden,
-                self.req_to_window,
+                lambda batch, _: self.forward_hidden(batch, self.pool),
+                self.graph_pool,
+                "decode steps",
+                req_to_window=self.req_to_window,
             )
 
     def _kv_capacity(self) -> tuple[int, int]:
