@@ -133,7 +133,7 @@ def attention_meta(seq_lens: list[int], q_lens: list[int], device: str):
         used += n
     meta = AttentionMetadata(
         req_to_token=table.to(device),
-        req_idx=torch.arange(1, len(seq_lens) + 1, dtype=torch.int32, device=device),
+        table_rows=torch.arange(1, len(seq_lens) + 1, dtype=torch.int32, device=device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
         q_start=torch.tensor([0, *q_lens], device=device).cumsum(0).to(torch.int32),
         num_tokens=sum(q_lens),

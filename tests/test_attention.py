@@ -41,7 +41,7 @@ def make_meta(seq_lens: list[int], q_lens: list[int], pad: int = 0, width: int =
     q_lens = q_lens + [1] * pad
     meta = AttentionMetadata(
         req_to_token=table,
-        req_idx=torch.cat([rows, torch.zeros(pad, dtype=torch.long)]).to(torch.int32),
+        table_rows=torch.cat([rows, torch.zeros(pad, dtype=torch.long)]).to(torch.int32),
         seq_lens=torch.tensor(seq, dtype=torch.int32),
         q_start=torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32),
         num_tokens=sum(q_lens),
@@ -182,7 +182,14 @@ def test_decode_grid_independent_of_lengths():
         meta.seq_lens.copy_(torch.tensor(lens))
         meta.max_seq_len = 40
         decode_attention(
-            q, cache[:, None], cache[:, None, :32], meta.req_to_token, meta.req_idx, meta.seq_lens, out, 0.3
+            q,
+            cache[:, None],
+            cache[:, None, :32],
+            meta.req_to_token,
+            meta.table_rows,
+            meta.seq_lens,
+            out,
+            0.3,
         )
         ref = SdpaBackend()
         m = AttentionMetadata(**{**meta.__dict__, "state": {}})
@@ -229,7 +236,7 @@ def test_fused_cpu_decode_kernel(dtype, heads, kv_heads, dim, v_dim):
     ref_backend.prepare(m)
     ref = ref_backend.gqa(q.float(), k.float(), v.float(), m, scale)
     fused = torch.ops.dpserve_cpu.decode_attention(
-        q, k, v, meta.req_to_token, meta.req_idx, meta.seq_lens, scale, v_dim
+        q, k, v, meta.req_to_token, meta.table_rows, meta.seq_lens, scale, v_dim
     )
     matmuls = _Keys(meta).matmuls(q, k, v, v_dim, scale)
     # The fused kernel rounds once, its output; the matmuls round their scores and probabilities too.
@@ -368,7 +375,7 @@ def test_kernels_at_gpu_launch(heads, kv_heads, lk, lv, lens):
         )
     q = torch.randn(meta.num_tokens, heads, lk, generator=g)
     out = torch.empty(meta.num_tokens, heads, lv)
-    args = (q, k, v, meta.req_to_token, meta.req_idx, meta.seq_lens)
+    args = (q, k, v, meta.req_to_token, meta.table_rows, meta.seq_lens)
     shape = dict(
         batch=meta.batch_size, heads=heads, kv_heads=kv_heads, lk=lk, device="cuda", num_sms=H200_SMS
     )

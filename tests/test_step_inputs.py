@@ -31,6 +31,6 @@ def test_one_host_buffer_per_step():
     assert ops.calls["lift_fresh"] == 1, ops.calls  # one tensor made from host lists
     assert batch.input_ids.tolist() == [7, 8, 9, 4] and batch.positions.tolist() == [2, 3, 4, 6]
     assert batch.out_slots.tolist() == [11, 12, 13, 9] and batch.logit_idx.tolist() == [2, 3]
-    assert batch.attn.req_idx.tolist() == [1, 2] and batch.attn.req_idx.dtype == torch.int32
+    assert batch.attn.table_rows.tolist() == [1, 2] and batch.attn.table_rows.dtype == torch.int32
     assert batch.attn.seq_lens.tolist() == [5, 7] and batch.attn.q_start.tolist() == [0, 3, 4]
     assert table[1, 2:5].tolist() == [11, 12, 13] and table[2, 6].item() == 9 and table.sum().item() == 45

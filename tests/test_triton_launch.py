@@ -70,12 +70,12 @@ class Spy:
         return spied
 
 
-def _reference(q, k, v, table, req_idx, lens, scale):
+def _reference(q, k, v, table, table_rows, lens, scale):
     """Plain softmax attention of each request's one query over its context, KV heads repeated."""
     group = q.shape[1] // k.shape[1]
     out = []
     for b, n in enumerate(lens):
-        slots = table[req_idx[b], :n].long()
+        slots = table[table_rows[b], :n].long()
         kb = k[slots].repeat_interleave(group, 1).float()  # [n, heads, dk]
         vb = v[slots].repeat_interleave(group, 1).float()
         p = torch.softmax(torch.einsum("hd,nhd->hn", q[b].float(), kb) * scale, -1)
@@ -97,12 +97,14 @@ def test_decode_compiles_once_for_any_context(monkeypatch, name, heads, kv_heads
     g = torch.Generator().manual_seed(26)
     scale = lk**-0.5
 
-    def call(lens: list[int], table: torch.Tensor, req_idx: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    def call(
+        lens: list[int], table: torch.Tensor, table_rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ):
         """One decode step through the backend, as the model runner builds its metadata."""
         batch = len(lens)
         meta = AttentionMetadata(
             req_to_token=table,
-            req_idx=req_idx,
+            table_rows=table_rows,
             seq_lens=torch.tensor(lens, dtype=torch.int32, device=DEV),
             q_start=torch.arange(batch + 1, dtype=torch.int32, device=DEV),
             num_tokens=batch,
@@ -137,9 +139,9 @@ def test_decode_compiles_once_for_any_context(monkeypatch, name, heads, kv_heads
         v_cache = (
             k_cache[..., :lv] if name == "mla" else torch.randn(sum(lens), kv_heads, lv, generator=g).to(DEV)
         )
-        req_idx = torch.arange(1, len(lens) + 1, dtype=torch.int32, device=DEV)
-        q, out = call(lens, table, req_idx, k_cache, v_cache)
-        expected = _reference(q, k_cache, v_cache, table, req_idx, lens, scale)
+        table_rows = torch.arange(1, len(lens) + 1, dtype=torch.int32, device=DEV)
+        q, out = call(lens, table, table_rows, k_cache, v_cache)
+        expected = _reference(q, k_cache, v_cache, table, table_rows, lens, scale)
         torch.testing.assert_close(out.float(), expected, atol=1e-4, rtol=1e-4)
 
     assert len(spy.splits) >= 8, spy.splits  # the calls really spanned many split counts

@@ -22,7 +22,7 @@ from dpserve.kvcache.pool import take
 @dataclass
 class AttentionMetadata:
     req_to_token: torch.Tensor  # [rows, context_len] int32: pool slot of each request's positions
-    req_idx: torch.Tensor  # [batch] row of each request (row 0, all zeros, for padded rows)
+    table_rows: torch.Tensor  # [batch] row of each request (row 0, all zeros, for padded rows)
     seq_lens: torch.Tensor  # [batch] KV tokens of each request, this step's new ones included
     q_start: torch.Tensor  # [batch + 1] first new-token row of each request, cumulative
     num_tokens: int  # new tokens (rows of q)
@@ -36,7 +36,7 @@ class AttentionMetadata:
 
     @property
     def batch_size(self) -> int:
-        return self.req_idx.shape[0]
+        return self.table_rows.shape[0]
 
     def on_table(self, req_to_token: torch.Tensor) -> AttentionMetadata:
         """The same requests read through another request-to-slot table (the hybrid pool's window
@@ -45,7 +45,7 @@ class AttentionMetadata:
 
     def token_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(each new token's request, its index among that request's new tokens), on the device."""
-        dev = self.req_idx.device
+        dev = self.table_rows.device
         q_lens = self.q_start[1:] - self.q_start[:-1]
         token_req = torch.repeat_interleave(
             torch.arange(self.batch_size, device=dev), q_lens, output_size=self.num_tokens
@@ -56,12 +56,12 @@ class AttentionMetadata:
         """The metadata of requests `reqs` alone, and the rows of their tokens among this batch's."""
         q_lens, seq_lens = self.q_lens_host, self.seq_lens_host
         starts = list(accumulate([0, *q_lens]))
-        dev = self.req_idx.device
+        dev = self.table_rows.device
         idx = torch.tensor(reqs, dtype=torch.long, device=dev)
         sub_q = [q_lens[i] for i in reqs]
         sub = AttentionMetadata(
             self.req_to_token,
-            self.req_idx[idx],
+            self.table_rows[idx],
             self.seq_lens[idx],
             torch.tensor([0, *accumulate(sub_q)], dtype=torch.int32, device=dev),
             sum(sub_q),

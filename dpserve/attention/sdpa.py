@@ -14,14 +14,14 @@ class SdpaBackend(AttentionBackend):
     graph_max_kv_len = 4096  # a graph's [batch, kv_len] grid is fixed at capture
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        dev = meta.req_idx.device
+        dev = meta.table_rows.device
         q_lens = meta.q_start[1:] - meta.q_start[:-1]
         token_req, token_col = meta.token_rows()
         prefix = (meta.seq_lens - q_lens)[:, None, None]
         q_pos = torch.arange(meta.max_q_len, device=dev)[None, :, None] + prefix
         k_pos = torch.arange(meta.max_seq_len, device=dev)[None, None, :]
         meta.state.update(
-            slot_table=meta.req_to_token[meta.req_idx, : meta.max_seq_len].long(),
+            slot_table=meta.req_to_token[meta.table_rows, : meta.max_seq_len].long(),
             mask=((k_pos <= q_pos) & (k_pos < meta.seq_lens[:, None, None])).unsqueeze(1),
             behind=(q_pos - k_pos).unsqueeze(1),  # how far each key is behind each query
             token_req=token_req,

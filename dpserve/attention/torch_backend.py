@@ -90,7 +90,7 @@ class _Keys:
     @functools.cached_property
     def table(self) -> torch.Tensor:
         m = self.meta
-        return m.req_to_token[m.req_idx, : m.max_seq_len].long()  # [n, kv_len]
+        return m.req_to_token[m.table_rows, : m.max_seq_len].long()  # [n, kv_len]
 
     @functools.cached_property
     def padding(self) -> torch.Tensor:
@@ -126,7 +126,7 @@ class _Keys:
             if isinstance(k_cache, ScaledKV):  # FP8 codes, widened inside the kernel
                 caches, scales = (k_cache.codes, v_cache.codes), (k_cache.scales, v_cache.scales)
             return torch.ops.dpserve_cpu.decode_attention(
-                q, *caches, m.req_to_token, m.req_idx, m.seq_lens, scale, v_dim, *scales
+                q, *caches, m.req_to_token, m.table_rows, m.seq_lens, scale, v_dim, *scales
             )
         return self.matmuls(q, k_cache, v_cache, v_dim, scale, window, sinks)
 

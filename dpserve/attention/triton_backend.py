@@ -49,7 +49,7 @@ class TritonBackend(AttentionBackend):
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         out = q.new_empty((q.shape[0], q.shape[1], v.shape[-1]))
-        common = (q, k, v, meta.req_to_token, meta.req_idx, meta.seq_lens)
+        common = (q, k, v, meta.req_to_token, meta.table_rows, meta.seq_lens)
         # Both are ints fixed per step (and per captured graph): one token per request exactly.
         if meta.max_q_len == 1 and meta.num_tokens == meta.batch_size:
             return decode_attention(

@@ -1,7 +1,7 @@
 """Paged attention kernels in Triton, reading the KV pool by slot index (no gathered copy).
 
-Request b of a step owns row `req_idx[b]` of the request-to-slot table: its token at position p
-lives in pool slot `req_to_token[req_idx[b], p]`. It has `seq_lens[b]` tokens in the pool, the
+Request b of a step owns row `table_rows[b]` of the request-to-slot table: its token at position p
+lives in pool slot `req_to_token[table_rows[b], p]`. It has `seq_lens[b]` tokens in the pool, the
 last q_len of them new this step (the model writes their KV before attention runs).
 
 - `decode_attention`: one query token per request, split-K (flash-decoding): each of
@@ -381,7 +381,7 @@ def decode_attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     req_to_token: torch.Tensor,
-    req_idx: torch.Tensor,
+    table_rows: torch.Tensor,
     seq_lens: torch.Tensor,
     out: torch.Tensor,
     scale: float,
@@ -396,7 +396,7 @@ def decode_attention(
 
     q [batch, heads, dk]; k_cache [slots, kv_heads, dk] and v_cache [slots, kv_heads, dv] (any
     strides, last dim contiguous; MLA passes views of one cache); req_to_token [rows, width]
-    int32; req_idx, seq_lens [batch] int (seq_lens count the new token; padded rows use row 0 and
+    int32; table_rows, seq_lens [batch] int (seq_lens count the new token; padded rows use row 0 and
     seq_len 1); out [batch, heads, dv], written and returned. heads must be a multiple of kv_heads.
     The context is cut into slices reduced in parallel, then merged: `launch` (by default
     `launch_config` for max_seq_len, the table's width when None, and num_kv_splits) sets their
@@ -432,7 +432,7 @@ def decode_attention(
         k_scales,
         v_scales,
         req_to_token,
-        req_idx,
+        table_rows,
         seq_lens,
         mid_o,
         mid_lse,
@@ -615,7 +615,7 @@ def extend_attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     req_to_token: torch.Tensor,
-    req_idx: torch.Tensor,
+    table_rows: torch.Tensor,
     seq_lens: torch.Tensor,
     q_start: torch.Tensor,
     out: torch.Tensor,
@@ -631,14 +631,14 @@ def extend_attention(
     q [tokens, heads, dk] packs the requests' new tokens; request b owns rows
     q_start[b] .. q_start[b + 1] - 1 (q_len of them), at positions seq_len - q_len .. seq_len - 1,
     and attends to every position up to its own, all read from the pool through
-    req_to_token[req_idx[b]] (the new tokens' KV is already written). k_cache, v_cache, out and
+    req_to_token[table_rows[b]] (the new tokens' KV is already written). k_cache, v_cache, out and
     the other arguments are as in `decode_attention`, with out [tokens, heads, dv]. max_q_len
     bounds every q_len; it and the shapes alone set the grid (requests with fewer new tokens exit
     early), so a captured graph serves any lengths within the bounds. Rows of q past the last
     request's are left unwritten. `launch`: `launch_config`'s by default.
     """
     tokens, heads, lk = q.shape
-    batch = req_idx.shape[0]
+    batch = table_rows.shape[0]
     (k_cache, k_scales, mantissa), (v_cache, v_scales, _) = cache_parts(k_cache), cache_parts(v_cache)
     kv_heads, lv = k_cache.shape[1], v_cache.shape[2]
     assert heads % kv_heads == 0 and k_cache.shape[2] == lk and out.shape == (tokens, heads, lv)
@@ -664,7 +664,7 @@ def extend_attention(
         v_scales,
         out,
         req_to_token,
-        req_idx,
+        table_rows,
         seq_lens,
         q_start,
         sinks if sinks is not None else q,

@@ -263,14 +263,14 @@ void accumulate_block(const float* p, const T* const* values, int64_t nk, float*
     for (int64_t l = 0; l < nk; ++l) acc[j] += p[l] * static_cast<float>(values[l][j]);
 }
 
-// One query per row. Row i attends to the first seq_lens[i] slots of req_to_token[req_idx[i]]; the
+// One query per row. Row i attends to the first seq_lens[i] slots of req_to_token[table_rows[i]]; the
 // query heads of a KV head read each of its keys once. Work is split over (row, KV head, block of
 // query heads), so that one row with one KV head still keeps every thread busy. Caches of type C:
 // T, or FP8 codes (widened as they are read) with a float32 scale per (slot, KV head) (ks, vs; null
 // otherwise), applied to each key's scores and each value's probabilities.
 template <typename T, typename C>
 void decode_attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                             const at::Tensor& req_to_token, const at::Tensor& req_idx,
+                             const at::Tensor& req_to_token, const at::Tensor& table_rows,
                              const at::Tensor& seq_lens, double scale, int64_t v_dim, const float* ks,
                              const float* vs, at::Tensor& out) {
   const int64_t n = q.size(0), heads = q.size(1), d = q.size(2);
@@ -280,7 +280,7 @@ void decode_attention_kernel(const at::Tensor& q, const at::Tensor& k_cache, con
   const C* kp = static_cast<const C*>(k_cache.const_data_ptr());
   const C* vp = static_cast<const C*>(v_cache.const_data_ptr());
   const int32_t* table = req_to_token.const_data_ptr<int32_t>();
-  const int32_t* rows = req_idx.const_data_ptr<int32_t>();
+  const int32_t* rows = table_rows.const_data_ptr<int32_t>();
   const int32_t* lens = seq_lens.const_data_ptr<int32_t>();
   T* op = out.data_ptr<T>();
 
@@ -368,7 +368,7 @@ void dispatch(at::ScalarType dtype, const char* name, F&& f) {
 }
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                            const at::Tensor& req_to_token, const at::Tensor& req_idx, const at::Tensor& seq_lens,
+                            const at::Tensor& req_to_token, const at::Tensor& table_rows, const at::Tensor& seq_lens,
                             double scale, int64_t v_dim, const c10::optional<at::Tensor>& k_scale,
                             const c10::optional<at::Tensor>& v_scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3, "decode_attention: q [n, heads, d], k_cache [slots, kv_heads, d]");
@@ -390,7 +390,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
                   "decode_attention: scales float32 [slots, kv_heads, 1]");
     ks = k_scale->const_data_ptr<float>(), vs = v_scale->const_data_ptr<float>();
   }
-  const at::Tensor qc = q.contiguous(), rows = req_idx.to(at::kInt).contiguous();
+  const at::Tensor qc = q.contiguous(), rows = table_rows.to(at::kInt).contiguous();
   const at::Tensor lens = seq_lens.to(at::kInt).contiguous();
   at::Tensor out = at::empty({q.size(0), q.size(1), v_dim}, q.options());
   dispatch(q.scalar_type(), "decode_attention", [&](auto tag) {
@@ -812,7 +812,7 @@ at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor
 }  // namespace
 
 TORCH_LIBRARY(dpserve_cpu, m) {
-  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor req_to_token, Tensor req_idx, "
+  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor req_to_token, Tensor table_rows, "
         "Tensor seq_lens, float scale, int v_dim, Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("rotary(Tensor x, Tensor cos_sin, Tensor positions, bool interleaved) -> Tensor");

@@ -56,7 +56,7 @@ class ForwardBatch:
             "input_ids": input_ids,
             "positions": positions,
             "out_slots": out_slots,
-            "req_idx": table_rows,
+            "table_rows": table_rows,
             "seq_lens": seq_lens,
             "q_start": [0, *accumulate(q_lens)],
             "logit_idx": logit_idx,
@@ -74,7 +74,7 @@ class ForwardBatch:
             req_to_token[t["rows"], t["cols"]] = t["slots"].int()
         attn = AttentionMetadata(
             req_to_token=req_to_token,
-            req_idx=t["req_idx"].int(),
+            table_rows=t["table_rows"].int(),
             seq_lens=t["seq_lens"].int(),
             q_start=t["q_start"].int(),
             num_tokens=layout.local_rows,

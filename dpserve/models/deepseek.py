@@ -207,8 +207,8 @@ class MLAAttention(nn.Module):
         if not mha:
             return None
         sub, tokens = meta.select(mha)
-        kv_lens, dev = sub.seq_lens_host, sub.req_idx.device
-        table = sub.req_to_token[sub.req_idx, : sub.max_seq_len]
+        kv_lens, dev = sub.seq_lens_host, sub.table_rows.device
+        table = sub.req_to_token[sub.table_rows, : sub.max_seq_len]
         key_slots = torch.cat([table[i, :n] for i, n in enumerate(kv_lens)]).long()
         # The expanded keys as a pool of their own: request i's at rows 1 + (keys before it) on.
         first = torch.tensor(list(accumulate([1, *kv_lens[:-1]])), dtype=torch.int32, device=dev)
@@ -217,7 +217,7 @@ class MLAAttention(nn.Module):
         keys_meta = dataclasses.replace(
             sub,
             req_to_token=torch.cat([torch.zeros_like(own[:1]), own]),
-            req_idx=torch.arange(1, len(kv_lens) + 1, dtype=torch.int32, device=dev),
+            table_rows=torch.arange(1, len(kv_lens) + 1, dtype=torch.int32, device=dev),
             state={},
         )
         self.backend.prepare(keys_meta)

@@ -100,7 +100,7 @@ def sparse_layout(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, 
         q_lens = meta.q_start[1:] - meta.q_start[:-1]
         token_req, col = meta.token_rows()
         q_pos = (meta.seq_lens - q_lens)[token_req] + col
-        table = meta.req_to_token[meta.req_idx, : meta.max_seq_len].long()
+        table = meta.req_to_token[meta.table_rows, : meta.max_seq_len].long()
         meta.state["dsa"] = (table, token_req, q_pos)
     return meta.state["dsa"]
 
@@ -114,7 +114,7 @@ def sparse_metadata(slots: torch.Tensor, real: torch.Tensor) -> AttentionMetadat
     steps = torch.arange(n + 1, dtype=torch.int32, device=dev)
     return AttentionMetadata(
         req_to_token=slots.int(),
-        req_idx=steps[:-1],
+        table_rows=steps[:-1],
         seq_lens=real.sum(-1, dtype=torch.int32),
         q_start=steps,
         num_tokens=n,

@@ -65,7 +65,7 @@ class CudaGraphRunner:
             device=dev,
         )
         # Capture runs padding rows: table row 0 and one key, slot 0 (finite, no real KV).
-        self.req_idx = torch.zeros(rows, dtype=torch.int32, device=dev)
+        self.table_rows = torch.zeros(rows, dtype=torch.int32, device=dev)
         self.seq_lens = torch.ones(rows, dtype=torch.int32, device=dev)
         self.q_start = torch.arange(rows + 1, dtype=torch.int32, device=dev)  # one new token per row
         # (mode, bucket) -> (graph, its output, bytes its collectives send)
@@ -91,7 +91,13 @@ class CudaGraphRunner:
     def _static_batch(self, layout: StepLayout) -> ForwardBatch:
         n = layout.local_rows
         attn = AttentionMetadata(
-            self.req_to_token, self.req_idx[:n], self.seq_lens[:n], self.q_start[: n + 1], n, 1, self.kv_len
+            self.req_to_token,
+            self.table_rows[:n],
+            self.seq_lens[:n],
+            self.q_start[: n + 1],
+            n,
+            1,
+            self.kv_len,
         )
         window_attn = attn.on_table(self.req_to_window) if self.req_to_window is not None else None
         return ForwardBatch(
@@ -123,7 +129,7 @@ class CudaGraphRunner:
             (self.out_slots, batch.out_slots),
             (self.row_index, batch.row_index),
             (self.moe_rows, batch.moe_rows),
-            (self.req_idx, batch.attn.req_idx),
+            (self.table_rows, batch.attn.table_rows),
             (self.seq_lens, batch.attn.seq_lens),
             *([(self.out_window_slots, batch.out_window_slots)] if self.req_to_window is not None else []),
             *([(self.hidden, hidden)] if self.hidden is not None else []),
