@@ -42,7 +42,7 @@ def test_pool_sizes_from_one_budget():
 
 
 def test_a_cached_prefix_is_used_as_far_as_its_window_survived():
-    slots = WindowSlots(num_tokens=6, window=3)  # a query reads the 2 positions before its own
+    slots = WindowSlots(num_tokens=6, window_size=3)  # a query reads the 2 positions before its own
     full = [11, 12, 13, 14, 15]  # a cached sequence's full slots
     slots.acquire(full[1:])
     slots.keep(full[1:])

@@ -99,11 +99,11 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
-        window: int = 0,
+        window_size: int = 0,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Grouped-query attention: q [tokens, heads, dim] against k/v [slots, kv_heads, dim].
-        `window` > 0: each query sees only the last `window` positions up to its own (sliding
+        `window_size` > 0: each query sees only the last `window_size` positions up to its own (sliding
         window); `sinks` [heads] (float32): a logit per head in the softmax's denominator that
         takes no value (attention sinks)."""
 

@@ -32,10 +32,10 @@ class SdpaBackend(AttentionBackend):
         kv = take(cache, meta.state["slot_table"]).unsqueeze(1)  # [batch, 1, kv_max, latent + rope]
         return self._attend(q, kv, kv[..., :v_dim], meta, scale)
 
-    def gqa(self, q, k_cache, v_cache, meta, scale, window=0, sinks=None):
+    def gqa(self, q, k_cache, v_cache, meta, scale, window_size=0, sinks=None):
         table = meta.state["slot_table"]
         k = take(k_cache, table).transpose(1, 2)  # [batch, kv_heads, kv_max, dim]
-        return self._attend(q, k, take(v_cache, table).transpose(1, 2), meta, scale, window, sinks)
+        return self._attend(q, k, take(v_cache, table).transpose(1, 2), meta, scale, window_size, sinks)
 
     @staticmethod
     def _attend(
@@ -44,7 +44,7 @@ class SdpaBackend(AttentionBackend):
         v: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
-        window: int = 0,
+        window_size: int = 0,
         sinks: torch.Tensor | None = None,
     ):
         """q [tokens, heads, d] packed into [batch, heads, q_max, d]; k/v [batch, kv_heads, kv_max, d]:
@@ -53,7 +53,7 @@ class SdpaBackend(AttentionBackend):
         s = meta.state
         packed = q.new_zeros((meta.batch_size, meta.max_q_len, *q.shape[1:]))
         packed[s["token_req"], s["token_col"]] = q
-        mask = s["mask"] & (s["behind"] < window) if window else s["mask"]
+        mask = s["mask"] & (s["behind"] < window_size) if window_size else s["mask"]
         if sinks is None:
             out = F.scaled_dot_product_attention(
                 packed.transpose(1, 2), k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1]

@@ -52,15 +52,15 @@ class TorchBackend(SdpaBackend):
             lambda q_many, sub: super(TorchBackend, self).mla(q_many, cache, sub, scale, v_dim),
         )
 
-    def gqa(self, q, k_cache, v_cache, meta, scale, window=0, sinks=None):
+    def gqa(self, q, k_cache, v_cache, meta, scale, window_size=0, sinks=None):
         v_dim = v_cache.shape[-1]
         return self._split(
             q,
             meta,
             v_dim,
-            lambda q_one, one: one[1].attend(q_one, k_cache, v_cache, v_dim, scale, window, sinks),
+            lambda q_one, one: one[1].attend(q_one, k_cache, v_cache, v_dim, scale, window_size, sinks),
             lambda q_many, sub: super(TorchBackend, self).gqa(
-                q_many, k_cache, v_cache, sub, scale, window, sinks
+                q_many, k_cache, v_cache, sub, scale, window_size, sinks
             ),
         )
 
@@ -112,7 +112,7 @@ class _Keys:
         v_cache: torch.Tensor | None,
         v_dim: int,
         scale: float,
-        window: int = 0,
+        window_size: int = 0,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Each row's one query q [n, heads, d] against its keys in caches [slots, kv_heads, d] (MLA:
@@ -120,7 +120,7 @@ class _Keys:
         runs the fused CPU kernel where it is built (no gathered copy of the keys, an 8-bit cache's
         codes widened as they are read; not for sliding windows or sinks); MLA's many heads on one latent are a matrix product, faster on oneDNN's
         kernels from batch 16 on (measured)."""
-        if v_cache is not None and not window and sinks is None and cpu_ops.usable(q):
+        if v_cache is not None and not window_size and sinks is None and cpu_ops.usable(q):
             m = self.meta
             caches, scales = (k_cache, v_cache), (None, None)
             if isinstance(k_cache, ScaledKV):  # FP8 codes, widened inside the kernel
@@ -128,7 +128,7 @@ class _Keys:
             return torch.ops.dpserve_cpu.decode_attention(
                 q, *caches, m.req_to_token, m.table_rows, m.seq_lens, scale, v_dim, *scales
             )
-        return self.matmuls(q, k_cache, v_cache, v_dim, scale, window, sinks)
+        return self.matmuls(q, k_cache, v_cache, v_dim, scale, window_size, sinks)
 
     def matmuls(
         self,
@@ -137,7 +137,7 @@ class _Keys:
         v_cache: torch.Tensor | None,
         v_dim: int,
         scale: float,
-        window: int = 0,
+        window_size: int = 0,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`attend` in two batched matmuls over (row, KV head) pairs."""
@@ -148,10 +148,10 @@ class _Keys:
         k = take(k_cache, rows, d).view(pairs, -1, d)
         scores = torch.bmm(q.reshape(pairs, heads // kv_heads, d), k.transpose(1, 2)).view(n, heads, -1)
         scores = scores.float().mul_(scale).masked_fill_(self.padding[:, None, :], float("-inf"))
-        if window:  # the query sits at seq_len - 1: keys before seq_len - window are out of sight
+        if window_size:  # the query sits at seq_len - 1: keys before seq_len - window_size are out of sight
             cols = torch.arange(scores.shape[-1], device=scores.device)
             scores.masked_fill_(
-                (cols[None, :] < self.meta.seq_lens[:, None] - window)[:, None, :], float("-inf")
+                (cols[None, :] < self.meta.seq_lens[:, None] - window_size)[:, None, :], float("-inf")
             )
         probs = scores.softmax(-1) if sinks is None else softmax_with_sinks(scores, sinks[:, None])
         probs = probs.to(q.dtype).reshape(pairs, heads // kv_heads, -1)

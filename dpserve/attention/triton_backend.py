@@ -33,8 +33,8 @@ class TritonBackend(AttentionBackend):
     def mla(self, q, cache, meta, scale, v_dim):
         return self._attend(q, one_kv_head(cache), one_kv_head(cache, v_dim), meta, scale)
 
-    def gqa(self, q, k_cache, v_cache, meta, scale, window=0, sinks=None):
-        return self._attend(q, k_cache, v_cache, meta, scale, window, sinks)
+    def gqa(self, q, k_cache, v_cache, meta, scale, window_size=0, sinks=None):
+        return self._attend(q, k_cache, v_cache, meta, scale, window_size, sinks)
 
     index_scores = staticmethod(index_scores)  # the indexer's kernel, reading keys by slot
 
@@ -45,7 +45,7 @@ class TritonBackend(AttentionBackend):
         v: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
-        window: int = 0,
+        window_size: int = 0,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         out = q.new_empty((q.shape[0], q.shape[1], v.shape[-1]))
@@ -58,7 +58,9 @@ class TritonBackend(AttentionBackend):
                 scale,
                 num_kv_splits=self.num_kv_splits,
                 max_seq_len=meta.max_seq_len,
-                window=window,
+                window_size=window_size,
                 sinks=sinks,
             )
-        return extend_attention(*common, meta.q_start, out, scale, meta.max_q_len, window=window, sinks=sinks)
+        return extend_attention(
+            *common, meta.q_start, out, scale, meta.max_q_len, window_size=window_size, sinks=sinks
+        )

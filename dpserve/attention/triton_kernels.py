@@ -170,10 +170,10 @@ def _mid_offset(b, heads, split, num_splits, NUM_HEADS: tl.constexpr, ROW: tl.co
 
 
 @triton.jit
-def _window_start(seq_len, window):
-    """The first position a sliding window of `window` (0: none) leaves in sight of the query at
+def _window_start(seq_len, window_size):
+    """The first position a sliding window of `window_size` (0: none) leaves in sight of the query at
     position seq_len - 1."""
-    return tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+    return tl.where(window_size > 0, tl.maximum(seq_len - window_size, 0), 0)
 
 
 @triton.jit
@@ -215,7 +215,7 @@ def cache_parts(cache: torch.Tensor | ScaledKV) -> tuple[torch.Tensor, torch.Ten
 
 # num_splits follows the step's longest context: a runtime int, never specialized on (value 1,
 # divisibility by 16), so every context length runs the same compiled kernel.
-@triton.jit(do_not_specialize=["num_splits", "window"])
+@triton.jit(do_not_specialize=["num_splits", "window_size"])
 def _decode_split_kernel(
     Q,
     K,
@@ -229,7 +229,7 @@ def _decode_split_kernel(
     MidLse,
     scale,
     num_splits,
-    window,
+    window_size,
     stride_qb,
     stride_qh,
     stride_ks,
@@ -267,7 +267,7 @@ def _decode_split_kernel(
 
     seq_len = tl.load(SeqLens + b)
     row = tl.load(ReqIdx + b).to(tl.int64)
-    first = _window_start(seq_len, window)  # the split-K slices cover [first, seq_len)
+    first = _window_start(seq_len, window_size)  # the split-K slices cover [first, seq_len)
     split_len = tl.cdiv(seq_len - first, num_splits)
     start = first + split * split_len
     end = tl.minimum(start + split_len, seq_len)
@@ -329,7 +329,7 @@ def _decode_split_kernel(
         tl.store(MidLse + _mid_offset(b, heads, split, num_splits, NUM_HEADS, 1), lse, mask=mask_h)
 
 
-@triton.jit(do_not_specialize=["num_splits", "window"])
+@triton.jit(do_not_specialize=["num_splits", "window_size"])
 def _decode_reduce_kernel(
     MidO,
     MidLse,
@@ -337,7 +337,7 @@ def _decode_reduce_kernel(
     Sinks,
     Out,
     num_splits,
-    window,
+    window_size,
     stride_ob,
     stride_oh,
     NUM_HEADS: tl.constexpr,
@@ -348,7 +348,7 @@ def _decode_reduce_kernel(
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(SeqLens + b)
-    seq_len = seq_len - _window_start(seq_len, window)  # the keys the slices cover
+    seq_len = seq_len - _window_start(seq_len, window_size)  # the keys the slices cover
     split_len = tl.cdiv(seq_len, num_splits)
     offs_dv = tl.arange(0, BLOCK_DV)
     mask_dv = offs_dv < LV
@@ -388,11 +388,11 @@ def decode_attention(
     num_kv_splits: int | None = None,
     max_seq_len: int | None = None,
     launch: Launch | None = None,
-    window: int = 0,
+    window_size: int = 0,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per request against its whole context in the paged pool (its
-    last `window` positions when > 0; `sinks` [heads]: a logit per head with no value).
+    last `window_size` positions when > 0; `sinks` [heads]: a logit per head with no value).
 
     q [batch, heads, dk]; k_cache [slots, kv_heads, dk] and v_cache [slots, kv_heads, dv] (any
     strides, last dim contiguous; MLA passes views of one cache); req_to_token [rows, width]
@@ -438,7 +438,7 @@ def decode_attention(
         mid_lse,
         scale,
         splits,
-        window,
+        window_size,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -475,7 +475,7 @@ def decode_attention(
         sinks if sinks is not None else mid_lse,
         out,
         splits,
-        window,
+        window_size,
         out.stride(0),
         out.stride(1),
         NUM_HEADS=heads,
@@ -487,7 +487,7 @@ def decode_attention(
     return out
 
 
-@triton.jit(do_not_specialize=["window"])
+@triton.jit(do_not_specialize=["window_size"])
 def _extend_kernel(
     Q,
     K,
@@ -501,7 +501,7 @@ def _extend_kernel(
     QStart,
     Sinks,
     scale,
-    window,
+    window_size,
     stride_qt,
     stride_qh,
     stride_ks,
@@ -562,8 +562,8 @@ def _extend_kernel(
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
         end = tl.minimum(seq_len, prefix + (mb + 1) * BLOCK_M)  # causal: nothing past the last query
-        # A sliding window: nothing before the first query's window either (whole key blocks).
-        first = _window_start(prefix + mb * BLOCK_M + 1, window) // BLOCK_N * BLOCK_N
+        # A sliding window: nothing before the first query's window_size either (whole key blocks).
+        first = _window_start(prefix + mb * BLOCK_M + 1, window_size) // BLOCK_N * BLOCK_N
         for n0 in range(first, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < end
@@ -582,8 +582,8 @@ def _extend_kernel(
                     kpe = kpe.to(tl.float32)
                 qk += tl.dot(qpe, kpe, input_precision=PRECISION)
             visible = mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None])
-            if window > 0:
-                visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
+            if window_size > 0:
+                visible = visible & (offs_n[None, :] > q_pos[:, None] - window_size)
             qk = tl.where(visible, qk * scale, float("-inf"))
             v_ptr = V + slots[:, None] * stride_vs + kv_head * stride_vh
             vs = _kv_scales(VScale, slots, kv_head, stride_vss, stride_vsh, mask_n, MANTISSA)[:, None]
@@ -622,11 +622,11 @@ def extend_attention(
     scale: float,
     max_q_len: int,
     launch: Launch | None = None,
-    window: int = 0,
+    window_size: int = 0,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's new tokens against its prefix and themselves (each
-    query its last `window` positions when > 0; `sinks` [heads]: a logit per head with no value).
+    query its last `window_size` positions when > 0; `sinks` [heads]: a logit per head with no value).
 
     q [tokens, heads, dk] packs the requests' new tokens; request b owns rows
     q_start[b] .. q_start[b + 1] - 1 (q_len of them), at positions seq_len - q_len .. seq_len - 1,
@@ -669,7 +669,7 @@ def extend_attention(
         q_start,
         sinks if sinks is not None else q,
         scale,
-        window,
+        window_size,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),

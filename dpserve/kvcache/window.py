@@ -25,9 +25,9 @@ from dpserve.kvcache.allocator import SlotAllocator
 
 
 class WindowSlots:
-    def __init__(self, num_tokens: int, window: int):
+    def __init__(self, num_tokens: int, window_size: int):
         self.allocator = SlotAllocator(num_tokens)
-        self.num_tokens, self.window = num_tokens, window
+        self.num_tokens, self.window_size = num_tokens, window_size
         self._slots: dict[int, list[int]] = {}  # full slot -> [window slot, holders]
         self._cached: OrderedDict[int, None] = OrderedDict()  # full slots the cache holds, oldest first
         self.evicted = 0  # window slots the cache gave up for new tokens
@@ -98,12 +98,12 @@ class WindowSlots:
     def held_from(self, num_tokens: int) -> int:
         """The first of the positions a request of `num_tokens` tokens holds window slots of: its
         last W - 1, which its next query reads."""
-        return max(0, num_tokens - (self.window - 1))
+        return max(0, num_tokens - (self.window_size - 1))
 
     def usable(self, full: list[int]) -> int:
         """The longest prefix of a cached sequence (its full slots `full`) a request can start on:
         one whose last W - 1 tokens all still have window slots."""
-        m, tail = len(full), self.window - 1
+        m, tail = len(full), self.window_size - 1
         while m > 0:
             gap = next(
                 (i for i in range(m - 1, max(0, m - tail) - 1, -1) if full[i] not in self._slots), None
@@ -118,7 +118,7 @@ class NullWindows:
     """The window slots of a pool without sliding-window layers (or with --disable-hybrid-swa-memory):
     none are held, every cached prefix is usable whole."""
 
-    window = 0
+    window_size = 0
     num_free = cached = evicted = 0
 
     def acquire(self, full: list[int]) -> list[int]:

@@ -279,9 +279,11 @@ class CausalLM(nn.Module):
     @property
     def window_layers(self) -> frozenset[int]:
         """Decoder layers with a sliding window (gpt-oss: every other one)."""
-        return frozenset(i for i, layer in enumerate(self.layers) if getattr(layer.self_attn, "window", 0))
+        return frozenset(
+            i for i, layer in enumerate(self.layers) if getattr(layer.self_attn, "window_size", 0)
+        )
 
     @property
-    def window(self) -> int:
+    def window_size(self) -> int:
         """The widest sliding window of its layers (0: none has one)."""
-        return max((getattr(layer.self_attn, "window", 0) for layer in self.layers), default=0)
+        return max((getattr(layer.self_attn, "window_size", 0) for layer in self.layers), default=0)

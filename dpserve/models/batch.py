@@ -43,12 +43,12 @@ class ForwardBatch:
         logit_idx: list[int],
         own_rank: int | None = None,
         table_writes: tuple[list[int], list[int], list[int]] | None = None,
-        window: tuple[torch.Tensor, list[int], tuple[list[int], list[int], list[int]]] | None = None,
+        window_inputs: tuple[torch.Tensor, list[int], tuple[list[int], list[int], list[int]]] | None = None,
     ) -> ForwardBatch:
         """The batch of `layout.local_rows` rows (padding included) from per-token and per-request
         lists (`table_rows`, `q_lens`, `seq_lens`: one entry per attention request); `own_rank`: the
         attention TP rank, when the MoE runs on each rank's own rows; `table_writes`: (rows,
-        columns, slots) entries of the request-to-slot table this step writes; `window`: the hybrid
+        columns, slots) entries of the request-to-slot table this step writes; `window_inputs`: the hybrid
         sliding-window pool's table, out slots and table writes, alike. Every list reaches the device
         in one copy (`stage`)."""
         dev = req_to_token.device
@@ -64,9 +64,9 @@ class ForwardBatch:
         }
         if table_writes is not None:
             lists.update(zip(("rows", "cols", "slots"), table_writes, strict=True))
-        if window is not None:
-            lists["out_window_slots"] = window[1]
-            lists.update(zip(("window_rows", "window_cols", "window_slots"), window[2], strict=True))
+        if window_inputs is not None:
+            lists["out_window_slots"] = window_inputs[1]
+            lists.update(zip(("window_rows", "window_cols", "window_slots"), window_inputs[2], strict=True))
         host = {k: v for k, v in lists.items() if not isinstance(v, torch.Tensor)}
         t = {k: v.long() for k, v in lists.items() if isinstance(v, torch.Tensor)}
         t.update(stage(host, dev))
@@ -84,10 +84,11 @@ class ForwardBatch:
             seq_lens_host=list(seq_lens),
         )
         window_attn = None
-        if window is not None:
-            if window[2][0]:
-                window[0][t["window_rows"], t["window_cols"]] = t["window_slots"].int()
-            window_attn = attn.on_table(window[0])
+        if window_inputs is not None:
+            table = window_inputs[0]
+            if window_inputs[2][0]:
+                table[t["window_rows"], t["window_cols"]] = t["window_slots"].int()
+            window_attn = attn.on_table(table)
         return cls(
             t["input_ids"],
             t["positions"],
@@ -151,7 +152,7 @@ def group_inputs(
         logit_idx,
         own_rank,
         table_writes=(rows, cols, slots),
-        window=None if req_to_window is None else _window_inputs(req_to_window, reqs, pad),
+        window_inputs=None if req_to_window is None else _window_inputs(req_to_window, reqs, pad),
     )
     waiting = [
         (end - len(r.tokens), r.table_row)

@@ -28,7 +28,7 @@ class GQAAttention(nn.Module):
         layer_id: int,
         backend: AttentionBackend,
         rotary: RotaryEmbedding,
-        window: int = 0,
+        window_size: int = 0,
     ):
         super().__init__()
         hf = cfg.hf
@@ -39,7 +39,7 @@ class GQAAttention(nn.Module):
             if getattr(hf, flag, False):
                 raise ValueError(f"{cfg.arch} checkpoints with {flag}=true are not supported")
         bias = family.attention_bias if getattr(hf, "attention_bias", False) else ""
-        self.window = window  # sliding window (0: every position)
+        self.window_size = window_size  # sliding window (0: every position)
         a = topo.attn_tp_size
         self.layer_id, self.topo, self.backend = layer_id, topo, backend
         self.head_dim = head_dim(cfg)
@@ -82,11 +82,11 @@ class GQAAttention(nn.Module):
     ) -> torch.Tensor:
         """Writes the new keys and values to the pool and attends over it; a window layer of the
         hybrid pool in its own slots."""
-        hybrid = self.window and batch.window_attn is not None
+        hybrid = self.window_size and batch.window_attn is not None
         pool.write(self.layer_id, batch.out_window_slots if hybrid else batch.out_slots, k, v)
         k_cache, v_cache = pool.layers[self.layer_id]
         meta = batch.window_attn if hybrid else batch.attn
-        return self.backend.gqa(q, k_cache, v_cache, meta, self.scale, self.window, self.sinks)
+        return self.backend.gqa(q, k_cache, v_cache, meta, self.scale, self.window_size, self.sinks)
 
     def weights(self, prefix: str) -> list[Weight]:
         """q heads split over ATTN_TP; k/v heads too, or the one KV head this rank's queries use."""

@@ -258,9 +258,9 @@ def layout_memory(
     out.groups = layout.dp
     dtype = cfg.torch_dtype
     out.weight_bytes = param_bytes(model)
-    window = 0 if cfg.disable_hybrid_swa_memory else model.window
+    window_size = 0 if cfg.disable_hybrid_swa_memory else model.window_size
     out.kv_bytes_per_token, out.window_bytes_per_token = pool_token_bytes(
-        model.kv_layers, len(model.window_layers) if window else 0, model.kv_entry_shapes(), cfg.kv_dtype
+        model.kv_layers, len(model.window_layers) if window_size else 0, model.kv_entry_shapes(), cfg.kv_dtype
     )
     out.comp = components(model)
     if cfg.device == "cuda" and cfg.max_total_tokens is None and cfg.kv_cache_memory_gb is None:
@@ -282,9 +282,9 @@ def layout_memory(
     )
     try:
         out.kv_tokens_per_group, out.window_tokens_per_group = cfg.kv_pool_sizes(
-            out.kv_budget_bytes, out.kv_bytes_per_token, out.window_bytes_per_token, window
+            out.kv_budget_bytes, out.kv_bytes_per_token, out.window_bytes_per_token, window_size
         )
-        if window:
+        if window_size:
             out.tokens_without_hybrid = kv_pool_tokens(
                 out.kv_budget_bytes, out.kv_bytes_per_token + out.window_bytes_per_token, cfg.max_total_tokens
             )

@@ -91,7 +91,7 @@ class StepModel:
         cfg = mem.cfg
         self.cfg = cfg
         self.model = meta_model(model_cfg, cfg)  # the engine's model (meta device): its collectives
-        self.window = self.model.window
+        self.window_size = self.model.window_size
         self.T, self.A = cfg.tp_size, cfg.attn_tp_size
         self.G = cfg.dp_size if cfg.enable_dp_attention else 1  # groups in one instance
         self.ranks_per_node = mem.layout.num_gpus // nnodes
@@ -149,7 +149,7 @@ class StepModel:
         kv_factor = 3 if p.is_cpu else 1  # sdpa: gather (read + write) then attend
         kv_bytes = kv_rows * ctx * self.mem.kv_bytes_per_token * kv_factor
         # The hybrid pool's sliding-window layers read their windows only.
-        kv_bytes += kv_rows * min(ctx, self.window) * self.mem.window_bytes_per_token * kv_factor
+        kv_bytes += kv_rows * min(ctx, self.window_size) * self.mem.window_bytes_per_token * kv_factor
         if m.is_mla and m.declaration.sparse_attention:
             # V3.2: the indexer reads every key of its own (index_head_dim per token and layer) and
             # scores it with each of its heads; MLA reads and attends to the index_topk chosen only.

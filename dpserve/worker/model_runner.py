@@ -94,7 +94,7 @@ class ModelRunner:
         self._prepare_weights()
         self.kv_shapes = self.model.kv_entry_shapes()
         # The hybrid sliding-window pool: window layers keep only their windows' KV, in slots of their own.
-        self.window_size = 0 if cfg.disable_hybrid_swa_memory else self.model.window
+        self.window_size = 0 if cfg.disable_hybrid_swa_memory else self.model.window_size
         self.window_layers = self.model.window_layers if self.window_size else frozenset()
         self.kv_bytes_per_token, self.window_bytes_per_token = pool_token_bytes(
             self.model.kv_layers, len(self.window_layers), self.kv_shapes, cfg.kv_dtype
