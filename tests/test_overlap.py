@@ -155,6 +155,7 @@ def _generate_both(engine_cache, model_dirs, arch, tp, dp, prompts, params, **kw
         engine = engine_for(
             engine_cache, model_dirs, arch, tp, dp, disable_overlap_schedule=disable, **kwargs
         )
+        assert engine.get_server_info()["overlap_schedule"] is not disable
         engine.get_step_log()
         params = [{**p, "top_logprobs_num": 2} for p in params]
         outs = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
@@ -226,6 +227,8 @@ def test_speculative_decoding_runs_the_sequential_loop(engine_cache, model_dirs,
     engine.get_step_log()
     engine.generate(input_ids=prompts[:2], sampling_params=MIXED[0])
     assert sum(r.pending_tokens for group in engine.get_step_log() for r in group) == 0
+    info = engine.get_server_info()
+    assert info["overlap_schedule"] is False and info["disable_overlap_schedule"] is False
 
 
 def test_the_benchmark_prints_both_loops_figures(model_dirs, capsys):

@@ -309,6 +309,7 @@ class FrontEnd:
             "chunk_per_group": cfg.chunk_per_group,
             "graph_buckets": cfg.graph_buckets,
             "radix_cache": not cfg.disable_radix_cache,
+            "overlap_schedule": cfg.overlap_schedule,
             "dp_ranks": ranks,
         }
 
@@ -340,10 +341,16 @@ class FrontEnd:
         spec = "off"
         if cfg.speculative_algorithm:
             spec = f"{cfg.speculative_algorithm}, {cfg.speculative_num_steps} draft(s) per request and step"
+        overlap = "on"
+        if not cfg.overlap_schedule:
+            overlap = "off (" + (
+                "speculative decoding" if cfg.speculative_algorithm else "--disable-overlap-schedule"
+            )
+            overlap += ": each step's host work after its forward)"
         logger.info(
             "ready: %s tp=%d dp=%d (%s) attention TP=%d, %d ranks per node on %d node(s), %s on %s (%s "
             "attention); KV %d tokens per DP group (%d bytes/token), %d for the instance; prefill budget %d "
-            "tokens per group, %d global; speculative decoding %s",
+            "tokens per group, %d global; speculative decoding %s; overlap scheduling %s",
             self.model_cfg.arch,
             cfg.tp_size,
             cfg.dp_size,
@@ -360,4 +367,5 @@ class FrontEnd:
             cfg.chunk_per_group,
             cfg.chunk_per_group * cfg.dp_size,
             spec,
+            overlap,
         )
