@@ -222,7 +222,8 @@ class EngineConfig:
         "run each step's host work after its forward instead of beside it. With overlap scheduling "
         "(SGLang's default) a group leader processes the previous step's samples while the forward "
         "runs, and the next step's decode inputs take the sampled tokens on the device. Speculative "
-        "decoding runs the sequential loop: a verify step's accepted tokens decide the next step",
+        "decoding runs the sequential loop (a verify step's accepted tokens decide the next step), "
+        "and so does the prefill side of PD (its prompts' KV leaves a step sooner)",
     )
     swa_full_tokens_ratio: float = option(
         0.8,
@@ -554,8 +555,22 @@ class EngineConfig:
 
     @property
     def overlap_schedule(self) -> bool:
-        """Whether the ranks overlap a step's host work with its forward (not under speculation)."""
-        return not self.disable_overlap_schedule and self.speculative_algorithm is None
+        """Whether the ranks overlap a step's host work with its forward."""
+        return self.overlap_off is None
+
+    @property
+    def overlap_off(self) -> str | None:
+        """Why the ranks run the sequential loop (None: they overlap). Speculative decoding: a verify
+        step's accepted tokens decide the next step. The prefill side of PD: a prompt's KV goes to
+        its decode instance once its first token is processed, which overlap puts off by a whole
+        (prefill) forward, for host work of a millisecond or two."""
+        if self.disable_overlap_schedule:
+            return "--disable-overlap-schedule"
+        if self.speculative_algorithm is not None:
+            return "speculative decoding"
+        if self.disaggregation_mode == "prefill":
+            return "the prefill side of prefill-decode disaggregation"
+        return None
 
     @property
     def num_drafts(self) -> int:

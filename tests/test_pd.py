@@ -113,6 +113,12 @@ def test_outputs_through_the_pd_router(pd, prompts, references):
     assert metric(prefill, "prefix_cache_hit_tokens_total") == hits + len(prompts[1]) - 1
     # Nothing holds KV on either side once the answers are in.
     assert metric(prefill, "kv_used_tokens") == 0 and metric(decode, "kv_used_tokens") == 0
+    # The prefill side sends each prompt's KV in the step after its first token: no overlap there.
+    overlap = {
+        side: http.get(f"{pd[side].url}/get_server_info").json()["overlap_schedule"]
+        for side in ("prefill", "decode")
+    }
+    assert overlap == {"prefill": False, "decode": True}
 
 
 def test_a_half_without_its_partner_fails_naming_it(pd, prompts):

@@ -341,12 +341,7 @@ class FrontEnd:
         spec = "off"
         if cfg.speculative_algorithm:
             spec = f"{cfg.speculative_algorithm}, {cfg.speculative_num_steps} draft(s) per request and step"
-        overlap = "on"
-        if not cfg.overlap_schedule:
-            overlap = "off (" + (
-                "speculative decoding" if cfg.speculative_algorithm else "--disable-overlap-schedule"
-            )
-            overlap += ": each step's host work after its forward)"
+        overlap = "on" if cfg.overlap_schedule else f"off ({cfg.overlap_off}: host work after each forward)"
         logger.info(
             "ready: %s tp=%d dp=%d (%s) attention TP=%d, %d ranks per node on %d node(s), %s on %s (%s "
             "attention); KV %d tokens per DP group (%d bytes/token), %d for the instance; prefill budget %d "
