@@ -28,6 +28,7 @@ class ForwardBatch:
     # a request-to-slot table of their own; None when every layer keeps every token.
     window_attn: AttentionMetadata | None = None
     out_window_slots: torch.Tensor | None = None  # [n_g]
+    logit_table_rows: torch.Tensor | None = None  # the request-table row of each row in `logit_idx`
 
     @classmethod
     def build(
@@ -44,13 +45,16 @@ class ForwardBatch:
         own_rank: int | None = None,
         table_writes: tuple[list[int], list[int], list[int]] | None = None,
         window_inputs: tuple[torch.Tensor, list[int], tuple[list[int], list[int], list[int]]] | None = None,
+        logit_table_rows: list[int] | None = None,
+        pending: tuple[list[int], list[int], torch.Tensor] | None = None,
     ) -> ForwardBatch:
         """The batch of `layout.local_rows` rows (padding included) from per-token and per-request
         lists (`table_rows`, `q_lens`, `seq_lens`: one entry per attention request); `own_rank`: the
         attention TP rank, when the MoE runs on each rank's own rows; `table_writes`: (rows,
         columns, slots) entries of the request-to-slot table this step writes; `window_inputs`: the hybrid
-        sliding-window pool's table, out slots and table writes, alike. Every list reaches the device
-        in one copy (`stage`)."""
+        sliding-window pool's table, out slots and table writes, alike; `logit_table_rows`: the
+        table row of each logit row; `pending`: (rows of `input_ids`, table rows, tokens by table
+        row) for tokens not read back yet. Every list reaches the device in one copy (`stage`)."""
         dev = req_to_token.device
         lists = {
             "input_ids": input_ids,
@@ -64,6 +68,10 @@ class ForwardBatch:
         }
         if table_writes is not None:
             lists.update(zip(("rows", "cols", "slots"), table_writes, strict=True))
+        if logit_table_rows is not None:
+            lists["logit_table_rows"] = logit_table_rows
+        if pending is not None:
+            lists["pending_at"], lists["pending_rows"] = pending[:2]
         if window_inputs is not None:
             lists["out_window_slots"] = window_inputs[1]
             lists.update(zip(("window_rows", "window_cols", "window_slots"), window_inputs[2], strict=True))
@@ -83,6 +91,8 @@ class ForwardBatch:
             q_lens_host=list(q_lens),
             seq_lens_host=list(seq_lens),
         )
+        if pending is not None:
+            t["input_ids"][t["pending_at"]] = pending[2][t["pending_rows"]]
         window_attn = None
         if window_inputs is not None:
             table = window_inputs[0]
@@ -100,6 +110,7 @@ class ForwardBatch:
             layout.real_rows(dev, own_rank, t["group_tokens"]),
             window_attn,
             t.get("out_window_slots"),
+            t.get("logit_table_rows"),
         )
 
 
@@ -140,7 +151,12 @@ def group_inputs(
             [len(r.tokens) for r in reqs],
             [r.seq_len for r in reqs],
         )
-    inputs = ForwardBatch.build(
+    waiting = [
+        (end - len(r.tokens), r.table_row)
+        for r, end in zip(reqs, ends, strict=True)
+        if r.tokens and r.tokens[0] == PENDING_TOKEN
+    ]
+    return ForwardBatch.build(
         layout,
         req_to_token,
         [t for r in reqs for t in r.tokens] + [0] * pad,
@@ -153,16 +169,9 @@ def group_inputs(
         own_rank,
         table_writes=(rows, cols, slots),
         window_inputs=None if req_to_window is None else _window_inputs(req_to_window, reqs, pad),
+        logit_table_rows=[r.table_row for r in reqs for _ in range(r.logit_rows)],
+        pending=([i for i, _ in waiting], [row for _, row in waiting], pending) if waiting else None,
     )
-    waiting = [
-        (end - len(r.tokens), r.table_row)
-        for r, end in zip(reqs, ends, strict=True)
-        if r.tokens and r.tokens[0] == PENDING_TOKEN
-    ]
-    if waiting:
-        t = stage({"at": [i for i, _ in waiting], "rows": [row for _, row in waiting]}, req_to_token.device)
-        inputs.input_ids[t["at"]] = pending[t["rows"]]
-    return inputs
 
 
 def _window_inputs(req_to_window: torch.Tensor, reqs: list[BatchReq], pad: int) -> tuple:

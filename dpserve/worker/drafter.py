@@ -116,14 +116,10 @@ class NextNDrafter:
             reqs=[BatchReq(r.table_row, r.start, r.next_tokens, r.slots, r.draft) for r in batch.reqs]
         )
         layout = self.policy.layout([s.tokens for s in sizes], [s.drafting for s in sizes], padded)
-        t = stage(
-            {
-                "src": [r.offset + i for r in batch.reqs for i in range(len(r.next_tokens))],
-                "rows": [r.table_row for r in drafting],
-            },
-            self.tokens.device,
+        src = stage(
+            {"src": [r.offset + i for r in batch.reqs for i in range(len(r.next_tokens))]}, self.tokens.device
         )
-        first, out = self._forward(extend, layout, self.model.norm(hidden[t["src"]]), t["rows"])
+        first, out = self._forward(extend, layout, self.model.norm(hidden[src["src"]]))
         drafts = torch.zeros(len(drafting), self.num_steps, dtype=torch.long, device=self.tokens.device)
         drafts[:, 0] = first
         # 2. Chained steps, each request while its positions stay inside the context.
@@ -143,11 +139,11 @@ class NextNDrafter:
         return [chain[: 1 + n] for chain, n in zip(drafts.tolist(), chain_lens, strict=True)]
 
     def _forward(
-        self, batch: GroupBatch, layout: StepLayout, hidden: torch.Tensor, rows: torch.Tensor
+        self, batch: GroupBatch, layout: StepLayout, hidden: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One MTP forward over `batch` (the main model's builder; padded rows pair token 0 with a
         zero hidden state; a captured graph's replay when its layout has one); returns the drafts
-        of its sampled rows, kept by table row (`rows`) for the next chained forward, and their
+        of its sampled rows, kept by table row for the next chained forward, and their
         normed output."""
         inputs = group_inputs(batch, layout, self.req_to_token, self.tokens, self.model.moe_own_rank)
         pad = layout.local_rows - hidden.shape[0]
@@ -160,7 +156,7 @@ class NextNDrafter:
             out = self.model.draft_hidden(hidden, inputs, self.pool)
         logits, out = self.model.draft_logits(out, inputs)
         drafts = logits.argmax(-1)
-        self.tokens[rows] = drafts
+        self.tokens[inputs.logit_table_rows] = drafts
         return drafts, out
 
     def _chain(
@@ -191,6 +187,6 @@ class NextNDrafter:
             scratch += steps
             can_pad = all(s.longest + j <= self.policy.max_kv_len for s in sizes if s.chain[j - 1])
             layout = self.policy.layout(chain_rows, chain_rows, can_pad)
-            t = stage({"active": active, "rows": [row for row, _ in steps]}, drafts.device)
-            drafts[t["active"], j], rows_out = self._forward(chain, layout, out[t["active"]], t["rows"])
-            out = out.index_copy(0, t["active"], rows_out)
+            idx = stage({"active": active}, drafts.device)["active"]
+            drafts[idx, j], rows_out = self._forward(chain, layout, out[idx])
+            out = out.index_copy(0, idx, rows_out)

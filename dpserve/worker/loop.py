@@ -340,7 +340,7 @@ class Worker:
             tokens = torch.empty(batch.num_logit_rows, dtype=torch.long, device=self.runner.device)
         topo = self.groups.topo
         tokens = broadcast(tokens, topo.dp_rank * topo.attn_tp_size, self.groups.attn_tp)
-        self.runner.keep_samples([r.table_row for r in batch.reqs if r.sample], tokens)
+        self.runner.keep_samples(tokens)
 
     def _process(self, launched: Launched) -> list[TokenOut]:
         """The leader takes a step's samples into its requests and reports them; returns its new

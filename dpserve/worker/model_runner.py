@@ -26,7 +26,7 @@ from dpserve.memory import (
     release_freed_host_memory,
 )
 from dpserve.models.base import CausalLM
-from dpserve.models.batch import ForwardBatch, group_inputs, stage
+from dpserve.models.batch import ForwardBatch, group_inputs
 from dpserve.models.config import ModelConfig
 from dpserve.models.loader import BlockScales, load_weights
 from dpserve.models.registry import build_model
@@ -111,6 +111,7 @@ class ModelRunner:
         self.hidden: torch.Tensor | None = None  # NEXTN: the last step's hidden states
         # Overlap scheduling: each table row's token sampled last, for the next step's pending tokens.
         self.sampled_tokens = torch.zeros(cfg.running_per_group + 1, dtype=torch.long, device=device)
+        self.logit_table_rows: torch.Tensor | None = None  # the last forward's, by logits row
         # A decode step whose longest request exceeds what a graph's attention reads runs unpadded.
         max_kv_len = min(model_cfg.context_len, self.model.attn_backend.graph_max_kv_len or 1 << 62)
         self.policy = PaddingPolicy(cfg.dp_padding_mode, cfg.graph_buckets, self.topo, max_kv_len)
@@ -246,6 +247,7 @@ class ModelRunner:
     def forward(self, batch: GroupBatch, layout: StepLayout) -> torch.Tensor:
         """Runs the model on this group's batch (possibly empty); returns logits of sampled rows."""
         inputs = self._inputs(batch, layout)
+        self.logit_table_rows = inputs.logit_table_rows
         # On the GPU the forward is timed by events, read once the step's results are on the host:
         # no synchronisation of its own.
         events = (
@@ -264,12 +266,10 @@ class ModelRunner:
         self.comm_bytes = SENT.total - sent
         return logits
 
-    def keep_samples(self, table_rows: list[int], tokens: torch.Tensor) -> None:
-        """Overlap scheduling: the tokens a step sampled for these table rows (on the device, on every
-        rank of the group), which the next step's `PENDING_TOKEN`s stand for."""
-        if table_rows:
-            rows = stage({"rows": table_rows}, self.device)["rows"]
-            self.sampled_tokens[rows] = tokens
+    def keep_samples(self, tokens: torch.Tensor) -> None:
+        """Overlap scheduling: the tokens the last step sampled, one per logits row (on the device, on
+        every rank of the group), kept by table row for the next step's `PENDING_TOKEN`s."""
+        self.sampled_tokens[self.logit_table_rows] = tokens
 
     def take_expert_load(self) -> torch.Tensor | None:
         """Rows routed to each expert of each MoE layer since the last call, over every group
