@@ -35,9 +35,9 @@ class ForwardBatch:
         cls,
         layout: StepLayout,
         req_to_token: torch.Tensor,
-        input_ids: list[int] | torch.Tensor,
+        input_ids: list[int],
         positions: list[int],
-        out_slots: list[int] | torch.Tensor,
+        out_slots: list[int],
         table_rows: list[int],
         q_lens: list[int],
         seq_lens: list[int],
@@ -75,9 +75,7 @@ class ForwardBatch:
         if window_inputs is not None:
             lists["out_window_slots"] = window_inputs[1]
             lists.update(zip(("window_rows", "window_cols", "window_slots"), window_inputs[2], strict=True))
-        host = {k: v for k, v in lists.items() if not isinstance(v, torch.Tensor)}
-        t = {k: v.long() for k, v in lists.items() if isinstance(v, torch.Tensor)}
-        t.update(stage(host, dev))
+        t = stage(lists, dev)
         if table_writes is not None and table_writes[0]:
             req_to_token[t["rows"], t["cols"]] = t["slots"].int()
         attn = AttentionMetadata(
