@@ -119,15 +119,17 @@ def group_inputs(
     pending: torch.Tensor,
     own_rank: int | None = None,
     req_to_window: torch.Tensor | None = None,
+    write_table: bool = True,
 ) -> ForwardBatch:
     """The one builder of a forward's inputs from a group's batch, for the target model's steps and
     NEXTN's MTP forwards alike (a padded layout: the shapes of a captured graph). Host work is
     proportional to the new tokens, not to the contexts. A request whose first token is
     `PENDING_TOKEN` takes it from `pending[table_row]`, on the device (a token not read back yet);
-    `req_to_window`: the hybrid sliding-window pool's table."""
+    `req_to_window`: the hybrid sliding-window pool's table; `write_table`: False when the table
+    already holds the batch's slots (NEXTN's draft extend over the positions the step wrote)."""
     reqs = batch.reqs
     rows, cols, slots = [], [], []  # request-to-slot table entries written this step
-    for r in reqs:
+    for r in reqs if write_table else ():
         rows += [r.table_row] * (len(r.prefix) + len(r.slots))
         cols += range(r.start - len(r.prefix), r.seq_len)
         slots += r.prefix + r.slots

@@ -119,7 +119,8 @@ class NextNDrafter:
         src = stage(
             {"src": [r.offset + i for r in batch.reqs for i in range(len(r.next_tokens))]}, self.tokens.device
         )
-        first, out = self._forward(extend, layout, self.model.norm(hidden[src["src"]]))
+        # The step wrote these positions' slots into the request table: nothing to write again.
+        first, out = self._forward(extend, layout, self.model.norm(hidden[src["src"]]), write_table=False)
         drafts = torch.zeros(len(drafting), self.num_steps, dtype=torch.long, device=self.tokens.device)
         drafts[:, 0] = first
         # 2. Chained steps, each request while its positions stay inside the context.
@@ -139,13 +140,15 @@ class NextNDrafter:
         return [chain[: 1 + n] for chain, n in zip(drafts.tolist(), chain_lens, strict=True)]
 
     def _forward(
-        self, batch: GroupBatch, layout: StepLayout, hidden: torch.Tensor
+        self, batch: GroupBatch, layout: StepLayout, hidden: torch.Tensor, write_table: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One MTP forward over `batch` (the main model's builder; padded rows pair token 0 with a
         zero hidden state; a captured graph's replay when its layout has one); returns the drafts
         of its sampled rows, kept by table row for the next chained forward, and their
         normed output."""
-        inputs = group_inputs(batch, layout, self.req_to_token, self.tokens, self.model.moe_own_rank)
+        inputs = group_inputs(
+            batch, layout, self.req_to_token, self.tokens, self.model.moe_own_rank, write_table=write_table
+        )
         pad = layout.local_rows - hidden.shape[0]
         if pad:
             hidden = torch.cat([hidden, hidden.new_zeros(pad, hidden.shape[1])])
